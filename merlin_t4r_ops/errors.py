@@ -1,0 +1,37 @@
+"""The package's exceptions: one base class, one subclass per kind of failure.
+
+Catch :class:`T4ROpsError` to handle anything this package raises on purpose.
+"""
+
+__all__ = [
+    "T4ROpsError",
+    "ArtifactError",
+    "InvalidRequestError",
+    "SchemaMismatchError",
+    "StrategyError",
+    "ServerStartError",
+]
+
+
+class T4ROpsError(Exception):
+    """Base class of every error raised by ``merlin_t4r_ops``."""
+
+
+class ArtifactError(T4ROpsError):
+    """An exported artifact is missing, truncated or changed since export."""
+
+
+class InvalidRequestError(T4ROpsError, ValueError):
+    """A request's inputs cannot be turned into model inputs (names the input and the problem)."""
+
+
+class SchemaMismatchError(T4ROpsError, ValueError):
+    """The ensemble graph does not provide a column the model needs."""
+
+
+class StrategyError(T4ROpsError, RuntimeError):
+    """A training strategy was asked for where it cannot run."""
+
+
+class ServerStartError(T4ROpsError, RuntimeError):
+    """``tritonserver`` did not become ready; the message carries the server's log."""
