@@ -1,0 +1,95 @@
+"""Small real T4R models and session data for the serving tests."""
+
+import numpy as np
+import pandas as pd
+import torch
+
+import transformers4rec.torch as tr
+from transformers4rec.config.transformer import BertConfig
+from merlin.schema import ColumnSchema, Schema, Tags
+
+ITEMS = 100
+CATEGORIES = 12
+SEQ_LEN = 8
+
+
+def session_schema(items: int = ITEMS, categories: int = CATEGORIES, seq_len: int = SEQ_LEN):
+    """Schema of session features as an NVTabular workflow would produce them."""
+    def list_col(name, dtype, tags, domain=None):
+        properties = {"value_count": {"min": 1, "max": seq_len}}
+        if domain is not None:
+            properties["domain"] = {"min": 0, "max": domain, "name": name}
+        return ColumnSchema(name, dtype=dtype, tags=tags, properties=properties,
+                            is_list=True, is_ragged=True)
+
+    return Schema([
+        list_col("item_id-list", np.int64,
+                 [Tags.CATEGORICAL, Tags.ITEM_ID, Tags.ITEM, Tags.LIST], items - 1),
+        list_col("category-list", np.int64, [Tags.CATEGORICAL, Tags.LIST], categories - 1),
+        list_col("price-list", np.float32, [Tags.CONTINUOUS, Tags.LIST]),
+    ])
+
+
+def _body(schema, transformer_config, masking, seq_len=SEQ_LEN, d_model=32):
+    inputs = tr.TabularSequenceFeatures.from_schema(
+        schema, max_sequence_length=seq_len, continuous_projection=d_model,
+        aggregation="concat", masking=masking,
+    )
+    return tr.SequentialBlock(inputs, tr.MLPBlock([d_model]), tr.TransformerBlock(
+        transformer_config, masking=inputs.masking))
+
+
+def next_item_model(kind: str = "xlnet-causal", schema=None, seed: int = 0, d_model: int = 32):
+    """A next-item model: ``xlnet-causal``, ``gpt2`` (causal) or ``xlnet-mlm`` / ``bert`` (masked)."""
+    torch.manual_seed(seed)
+    schema = schema or session_schema()
+    seq_len = schema["item_id-list"].value_count.max
+    masking = "mlm" if kind in ("xlnet-mlm", "bert") else "causal"
+    config_cls = {"xlnet-causal": tr.XLNetConfig, "xlnet-mlm": tr.XLNetConfig,
+                  "gpt2": tr.GPT2Config, "bert": BertConfig}[kind]
+    config = config_cls.build(d_model=d_model, n_head=2, n_layer=1, total_seq_length=seq_len)
+    body = _body(schema, config, masking, seq_len, d_model)
+    head = tr.Head(body, tr.NextItemPredictionTask(weight_tying=True), inputs=body.inputs)
+    return tr.Model(head, max_sequence_length=seq_len).eval()
+
+
+def binary_model(schema=None, seed: int = 0, d_model: int = 32):
+    """A session-level binary classifier over an XLNet body."""
+    torch.manual_seed(seed)
+    schema = schema or session_schema()
+    seq_len = schema["item_id-list"].value_count.max
+    config = tr.XLNetConfig.build(d_model=d_model, n_head=2, n_layer=1, total_seq_length=seq_len)
+    body = _body(schema, config, "causal", seq_len, d_model)
+    task = tr.BinaryClassificationTask("click", summary_type="last")
+    head = tr.Head(body, task, inputs=body.inputs)
+    return tr.Model(head, max_sequence_length=seq_len).eval()
+
+
+def random_sessions(n: int, rng: np.random.Generator, min_len=1, max_len=SEQ_LEN * 2,
+                    items=ITEMS, categories=CATEGORIES) -> pd.DataFrame:
+    """Sessions of random lengths (some longer than the model's), ids in range."""
+    lengths = rng.integers(min_len, max_len + 1, size=n)
+    return pd.DataFrame({
+        "item_id-list": [rng.integers(1, items, size=k).astype(np.int64) for k in lengths],
+        "category-list": [rng.integers(1, categories, size=k).astype(np.int64) for k in lengths],
+        "price-list": [rng.random(k).astype(np.float32) for k in lengths],
+    })
+
+
+def reference_inputs(df: pd.DataFrame, seq_len: int = SEQ_LEN):
+    """Padded model inputs built the slow, obvious way: keep the last items, pad right with 0."""
+    out = {}
+    for name in df.columns:
+        rows = []
+        for session in df[name]:
+            recent = list(session)[-seq_len:]
+            rows.append(recent + [0] * (seq_len - len(recent)))
+        dtype = torch.float32 if name == "price-list" else torch.int64
+        out[name] = torch.tensor(np.array(rows), dtype=dtype)
+    return out
+
+
+def eager_scores(model, df: pd.DataFrame, seq_len: int = SEQ_LEN) -> np.ndarray:
+    """What ``model(batch)`` gives in-process for these sessions."""
+    with torch.inference_mode():
+        return model(reference_inputs(df, seq_len), training=False, testing=False).numpy()
