@@ -1,0 +1,457 @@
+"""A Transformers4Rec ``Trainer`` that follows :func:`resolve_strategy` and is exact under DDP.
+
+``transformers4rec.torch.Trainer`` (23.12) trains with DataParallel or DDP
+through Hugging Face, but
+
+* gives the Merlin dataloader the *local* rank as its global rank, so two nodes
+  read the same shards;
+* evaluates with the unwrapped model, i.e. on one GPU under DataParallel;
+* under DDP gathers losses and labels but not predictions, does one collective
+  per eval batch (a hang when ranks have different batch counts) and reports
+  each rank's own ranking metrics and a loss that is a mean of per-batch means.
+
+:class:`Trainer` keeps T4R's training path and replaces only the dataloader
+construction, the evaluation loop and the saving/logging guards.
+"""
+
+import logging
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from transformers.trainer_pt_utils import find_batch_size
+from transformers.trainer_utils import EvalLoopOutput
+from transformers.training_args import ParallelMode
+from transformers4rec.config.trainer import T4RecTrainingArguments
+from transformers4rec.torch import Trainer as T4RTrainer
+from transformers4rec.torch.model.prediction_task import NextItemPredictionTask
+from transformers4rec.torch.ranking_metric import RankingMetric
+from transformers4rec.torch.utils import torch_utils
+from transformers4rec.torch.utils.data_utils import T4RecDataLoader
+
+from merlin_t4r_ops.errors import StrategyError
+from merlin_t4r_ops.training.state import DistributedState, resolve_strategy, unwrap_model
+
+__all__ = ["Trainer", "ExactMeanAccumulator", "per_example_ranking_metrics", "data_shard"]
+
+logger = logging.getLogger(__name__)
+
+
+def data_shard(state: DistributedState) -> Tuple[Optional[int], Optional[int]]:
+    """The ``(global_rank, global_size)`` the Merlin dataloader must shard by.
+
+    Parameters
+    ----------
+    state : DistributedState
+
+    Returns
+    -------
+    tuple of (int or None, int or None)
+        ``(state.rank, state.world_size)`` under DDP: the *global* rank, so
+        processes on different nodes read different partitions (T4R passes
+        ``LOCAL_RANK`` here). ``(None, None)`` otherwise: one process reads all.
+    """
+    if state.is_distributed:
+        return state.rank, state.world_size
+    return None, None
+
+
+class _SharedEpochSeed:
+    """``seed_fn`` for the Merlin loader: the same seed on every rank, new each epoch.
+
+    The loader shuffles the *partition list* before each rank takes its slice;
+    with a per-rank seed (what it does on GPU by default) the slices overlap.
+    """
+
+    def __init__(self, seed: int):
+        self.seed = int(seed)
+        self.calls = 0
+
+    def __call__(self) -> int:
+        self.calls += 1
+        return (self.seed + self.calls) % (2**32)
+
+
+class ExactMeanAccumulator:
+    """Means over all examples (not over batches), summed locally and reduced once.
+
+    Parameters
+    ----------
+    names : sequence of str
+        Every name that :meth:`add` may be called with. Fixed up front so each
+        rank reduces the same vector, even a rank that saw no batch.
+    """
+
+    def __init__(self, names):
+        self.names = list(dict.fromkeys(names))
+        self._sums: Dict[str, Optional[torch.Tensor]] = {n: None for n in self.names}
+        self._counts: Dict[str, float] = {n: 0.0 for n in self.names}
+        #: Example counts over all ranks, filled by :meth:`compute`.
+        self.counts: Dict[str, float] = {}
+
+    def add(self, name: str, values: torch.Tensor, weight: Optional[float] = None) -> None:
+        """Add per-example ``values`` of shape ``(n,)`` or ``(n, k)``.
+
+        ``weight`` replaces the per-row count when ``values`` already is a mean
+        (e.g. a batch loss, with ``weight`` = examples in the batch).
+        """
+        if name not in self._sums:
+            raise KeyError(f"name must be one of {self.names}, got {name!r}")
+        values = values.detach().to(torch.float64)
+        if weight is None:
+            total, count = values.reshape(values.shape[0], -1).sum(0), float(values.shape[0])
+        else:
+            total, count = values.reshape(1, -1).sum(0) * weight, float(weight)
+        prev = self._sums[name]
+        self._sums[name] = total.cpu() if prev is None else prev + total.cpu()
+        self._counts[name] += count
+
+    def compute(self, state: Optional[DistributedState] = None, widths=None) -> Dict[str, torch.Tensor]:
+        """Return ``{name: sum / count}``, reduced over ranks when ``state`` is DDP.
+
+        Parameters
+        ----------
+        state : DistributedState, optional
+            Under DDP every rank must call this; all get identical results.
+        widths : mapping of str to int, optional
+            Length of each name's vector, for names this rank never saw
+            (needed only under DDP). Default 1.
+        """
+        widths = dict(widths or {})
+        flat = []
+        for n in self.names:
+            width = widths.get(n, 1) if self._sums[n] is None else self._sums[n].numel()
+            flat.append(self._sums[n] if self._sums[n] is not None else torch.zeros(width, dtype=torch.float64))
+            flat.append(torch.tensor([self._counts[n]], dtype=torch.float64))
+        vec = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
+        if state is not None and state.is_distributed:
+            # One all_reduce for everything; NCCL needs the tensor on this rank's GPU.
+            vec = vec.to(state.device)
+            dist.all_reduce(vec, op=dist.ReduceOp.SUM)
+            vec = vec.cpu()
+        out, pos = {}, 0
+        for n, part in zip(self.names, flat[0::2]):
+            width = part.numel()
+            total, count = vec[pos : pos + width], vec[pos + width]
+            self.counts[n] = count.item()
+            out[n] = total / count if count > 0 else torch.full_like(total, float("nan"))
+            pos += width + 1
+        return out
+
+
+def per_example_ranking_metrics(task, predictions: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Each ranking metric of ``task`` for every example, shape ``(n, len(top_ks))``.
+
+    Uses the metric objects' own ``_metric`` so definitions and names match T4R
+    (``"next-item/ndcg_at"`` etc.); non-ranking metrics are skipped.
+    """
+    predictions = task.forward_to_prediction_fn(predictions)
+    scores = predictions.reshape(-1, predictions.size(-1))
+    out = {}
+    for metric in task.metrics:
+        if not isinstance(metric, RankingMetric):
+            continue
+        target = labels
+        if metric.labels_onehot:
+            target = torch_utils.tranform_label_to_onehot(labels, scores.size(-1))
+        target = target.reshape(-1, target.size(-1))
+        if scores.shape[0] == 1:
+            # RecallAt squeezes its row index to 0-d for a single row and fails; pad to two.
+            values = metric._metric(metric.top_ks, scores.repeat(2, 1), target.repeat(2, 1))[:1]
+        else:
+            values = metric._metric(metric.top_ks, scores, target)
+        out[task.metric_name(metric)] = values.reshape(scores.shape[0], -1)
+    return out
+
+
+class Trainer(T4RTrainer):
+    """``transformers4rec.torch.Trainer`` with ``strategy`` and exact distributed evaluation.
+
+    Parameters
+    ----------
+    model : transformers4rec.torch.Model
+        Unwrapped; after :meth:`train` this same object holds the trained
+        weights (no DataParallel/DDP wrapper), ready to export.
+    args : T4RecTrainingArguments
+    strategy : {"auto", "ddp", "dp", "single"}
+        Resolved by :func:`resolve_strategy`: ``"auto"`` gives DDP under
+        torchrun, DataParallel when one process sees several GPUs, else one
+        device. ``"single"`` on a multi-GPU host keeps Hugging Face from
+        wrapping in DataParallel.
+    **kwargs
+        Everything else ``transformers4rec.torch.Trainer`` accepts
+        (``schema``, ``train_dataset_or_path``, ``eval_dataset_or_path``,
+        ``compute_metrics``, ...).
+
+    Raises
+    ------
+    StrategyError
+        The strategy cannot run here, or ``args`` disagree with it.
+
+    Notes
+    -----
+    Evaluation metrics (every ranking metric configured on the model's tasks,
+    and the loss) are means over all evaluated examples of all ranks; every
+    rank returns the same numbers. Predictions are gathered from all ranks in
+    rank order.
+    """
+
+    def __init__(self, model, args: T4RecTrainingArguments, *, strategy: str = "auto", callbacks=None, **kwargs):
+        if not isinstance(args, T4RecTrainingArguments):
+            raise StrategyError(f"args must be a T4RecTrainingArguments, got {type(args).__name__}")
+        self.dist_state = resolve_strategy(strategy)
+        _align_args(args, self.dist_state)
+        # T4R's default `callbacks=[]` is one shared list that incremental logging appends to.
+        super().__init__(model=model, args=args, callbacks=list(callbacks or []), **kwargs)
+
+    # ---- data -----------------------------------------------------------------------------
+
+    def _merlin_loader(self, path, batch_size: int, shuffle: bool):
+        if self.schema is None:
+            raise ValueError("schema is required to build a Merlin dataloader; pass schema=...")
+        if path is None:
+            raise ValueError("a dataset path (or Merlin Dataset) is required; got None")
+        rank, size = data_shard(self.dist_state)
+        device = self.dist_state.device
+        loader = T4RecDataLoader.parse(self.args.data_loader_engine).from_schema(
+            self.schema,
+            path,
+            batch_size,
+            max_sequence_length=self.args.max_sequence_length,
+            drop_last=self.args.dataloader_drop_last,
+            shuffle=shuffle,
+            shuffle_buffer_size=self.args.shuffle_buffer_size,
+            global_rank=rank,
+            global_size=size,
+            device=device.index if device.type == "cuda" else None,
+            seed_fn=_SharedEpochSeed(self.args.seed) if shuffle else None,
+        )
+        return loader
+
+    def get_train_dataloader(self):
+        """Train loader sharded by global rank; user-given loaders are returned as is."""
+        if self.train_dataloader is not None:
+            return self.train_dataloader
+        loader = self._merlin_loader(
+            self.train_dataset_or_path, self.args.per_device_train_batch_size, shuffle=True
+        )
+        self._check_equal_steps(loader)
+        return loader
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """Eval loader sharded by global rank (ranks may get different batch counts)."""
+        if self.eval_dataloader is not None:
+            return self.eval_dataloader
+        path = eval_dataset if isinstance(eval_dataset, (str, list)) else self.eval_dataset_or_path
+        return self._merlin_loader(path, self.args.per_device_eval_batch_size, shuffle=False)
+
+    def get_test_dataloader(self, test_dataset=None):
+        """Test loader sharded by global rank."""
+        if self.test_dataloader is not None:
+            return self.test_dataloader
+        path = test_dataset if test_dataset is not None else self.test_dataset_or_path
+        return self._merlin_loader(path, self.args.per_device_eval_batch_size, shuffle=False)
+
+    def _check_equal_steps(self, loader) -> None:
+        # Every optimizer step is a collective: a rank with more batches would wait forever.
+        if not self.dist_state.is_distributed:
+            return
+        steps = [None] * self.dist_state.world_size
+        dist.all_gather_object(steps, len(loader))
+        if len(set(steps)) > 1:
+            raise StrategyError(
+                f"DDP needs the same number of train batches on every rank, found {steps} "
+                "(per rank); write the training data as a number of equal-sized parquet "
+                "partitions divisible by WORLD_SIZE, or set dataloader_drop_last=True"
+            )
+
+    # ---- evaluation -----------------------------------------------------------------------
+
+    def evaluation_loop(
+        self,
+        dataloader,
+        description: str,
+        prediction_loss_only: Optional[bool] = None,
+        ignore_keys: Optional[List[str]] = None,
+        metric_key_prefix: str = "eval",
+    ) -> EvalLoopOutput:
+        """Evaluate with the DataParallel-wrapped model and exact, all-rank metrics.
+
+        Unlike T4R's loop there is no collective per batch: metric sums and
+        counts are reduced once at the end, and predictions/labels are gathered
+        once, so ranks may hold different numbers of eval batches.
+        """
+        if prediction_loss_only is None:
+            prediction_loss_only = self.args.prediction_loss_only
+        testing = description != "Prediction"
+        core = unwrap_model(self.model)
+        # _wrap_model gives DataParallel when args.n_gpu > 1 and the bare model otherwise
+        # (no DDP wrapper needed under no_grad).
+        model = self._wrap_model(core, training=False, dataloader=dataloader)
+        model.eval()
+        self.callback_handler.eval_dataloader = dataloader
+
+        tasks = _prediction_tasks(core)
+        names, widths = ["loss"], {"loss": 1}
+        if self.compute_metrics and testing:
+            for tname, task in tasks.items():
+                for m in task.metrics:
+                    if isinstance(m, RankingMetric):
+                        names.append(task.metric_name(m))
+                        widths[task.metric_name(m)] = len(m.top_ks)
+        acc = ExactMeanAccumulator(names + ["_examples"])
+        top_k = self.args.predict_top_k or getattr(core, "top_k", None)
+        rank_preds = self._wants_topk(core) and bool(top_k)
+
+        preds_all, labels_all = [], []
+        max_steps = self.args.eval_steps_on_train_set if metric_key_prefix == "train" else 0
+        for step, inputs in enumerate(dataloader):
+            if max_steps and step >= max_steps:
+                break
+            n_rows = find_batch_size(inputs) or 0
+            loss, preds, labels, _ = self.prediction_step(
+                model, inputs, prediction_loss_only, ignore_keys=ignore_keys, testing=testing
+            )
+            acc.add("_examples", torch.ones(n_rows))
+            if loss is not None and labels is not None:
+                n_labels = _num_rows(labels)
+                acc.add("loss", loss.reshape(1), weight=n_labels)
+            elif loss is not None:
+                acc.add("loss", loss.reshape(1), weight=n_rows)
+            if len(names) > 1 and preds is not None and labels is not None:
+                for tname, task in tasks.items():
+                    p = preds[tname] if isinstance(preds, dict) else preds
+                    y = labels[tname] if isinstance(labels, dict) else labels
+                    for mname, values in per_example_ranking_metrics(task, p, y).items():
+                        acc.add(mname, values)
+            if not prediction_loss_only and preds is not None:
+                if rank_preds and isinstance(preds, torch.Tensor):
+                    scores, ids = torch.topk(preds, k=min(top_k, preds.size(-1)), dim=-1)
+                    preds = (ids, scores)
+                preds_all.append(_to_cpu(preds))
+                if labels is not None:
+                    labels_all.append(_to_cpu(labels))
+            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
+
+        means = acc.compute(self.dist_state, widths)
+        metrics = {}
+        if testing:
+            metrics[f"{metric_key_prefix}_/loss"] = means["loss"].item()
+            for n in names[1:]:
+                for k, v in zip(_top_ks_of(tasks, n), means[n].tolist()):
+                    metrics[f"{metric_key_prefix}_/{n}_{k}"] = v
+        # Same condition on every rank: the gathers below are collectives.
+        gather = not prediction_loss_only
+        return EvalLoopOutput(
+            predictions=self._gather_concat(preds_all) if gather else None,
+            label_ids=self._gather_concat(labels_all) if gather and testing else None,
+            metrics=metrics,
+            num_samples=int(round(acc.counts["_examples"])),
+        )
+
+    def _wants_topk(self, core) -> bool:
+        return any(isinstance(t, NextItemPredictionTask) for t in core.prediction_tasks)
+
+    def _gather_concat(self, pieces):
+        """Concatenate this rank's batches, then all ranks in rank order (as numpy)."""
+        local = _nested_cat(pieces) if pieces else None
+        if self.dist_state.is_distributed:
+            everyone = [None] * self.dist_state.world_size
+            # Objects, not tensors: ranks may hold different numbers of rows.
+            dist.all_gather_object(everyone, local)
+            everyone = [x for x in everyone if x is not None]
+            local = _nested_cat(everyone) if everyone else None
+        return _nested_numpy(local)
+
+    # ---- saving / logging -----------------------------------------------------------------
+
+    def _save_model_and_checkpoint(self, save_model_class=False):
+        # T4R writes the pickled model class from every rank into the same directory.
+        super()._save_model_and_checkpoint(
+            save_model_class=save_model_class and self.dist_state.is_main_process
+        )
+        self.dist_state.barrier()
+
+    def is_local_process_zero(self) -> bool:
+        """Progress bars and printing only on global rank 0, not once per node."""
+        return self.dist_state.is_main_process
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def _align_args(args: T4RecTrainingArguments, state: DistributedState) -> None:
+    """Check ``args`` agree with ``state``; on a multi-GPU host make "single" really single."""
+    mode = args.parallel_mode
+    if state.strategy == "ddp":
+        if mode != ParallelMode.DISTRIBUTED or args.world_size != state.world_size:
+            raise StrategyError(
+                f"strategy resolved to 'ddp' with world_size={state.world_size}, but the training "
+                f"arguments see parallel_mode={mode.value!r}, world_size={args.world_size}; "
+                "build the T4RecTrainingArguments inside the torchrun-launched process"
+            )
+    elif mode == ParallelMode.DISTRIBUTED:
+        raise StrategyError(
+            f"strategy resolved to {state.strategy!r}, but the training arguments see a "
+            f"distributed launch (world_size={args.world_size}); use strategy='ddp' or 'auto' "
+            "under torchrun"
+        )
+    elif state.strategy == "dp":
+        if args.n_gpu < 2:
+            raise StrategyError(
+                f"strategy='dp' needs the training arguments to use >= 2 GPUs, found "
+                f"n_gpu={args.n_gpu} (no_cuda={args.no_cuda})"
+            )
+    elif args.n_gpu > 1:
+        # Hugging Face wraps in DataParallel whenever n_gpu > 1.
+        args._n_gpu = 1
+
+
+def _prediction_tasks(core) -> Mapping[str, object]:
+    tasks = {}
+    for head in core.heads:
+        tasks.update(head.prediction_task_dict)
+    return tasks
+
+
+def _top_ks_of(tasks, metric_name: str):
+    for task in tasks.values():
+        for m in task.metrics:
+            if task.metric_name(m) == metric_name:
+                return m.top_ks
+    raise KeyError(metric_name)
+
+
+def _num_rows(x) -> int:
+    if isinstance(x, dict):
+        return sum(_num_rows(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return _num_rows(x[0])
+    return int(x.shape[0])
+
+
+def _to_cpu(x):
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(v) for v in x)
+    return x.detach().cpu()
+
+
+def _nested_cat(pieces):
+    first = pieces[0]
+    if isinstance(first, dict):
+        return {k: _nested_cat([p[k] for p in pieces]) for k in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(_nested_cat([p[i] for p in pieces]) for i in range(len(first)))
+    return torch.cat(pieces, dim=0)
+
+
+def _nested_numpy(x):
+    if x is None:
+        return None
+    if isinstance(x, dict):
+        return {k: _nested_numpy(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_nested_numpy(v) for v in x)
+    return x.numpy()
