@@ -6,6 +6,7 @@ Catch :class:`T4ROpsError` to handle anything this package raises on purpose.
 __all__ = [
     "T4ROpsError",
     "ArtifactError",
+    "CheckpointError",
     "InvalidRequestError",
     "SchemaMismatchError",
     "StrategyError",
@@ -19,6 +20,10 @@ class T4ROpsError(Exception):
 
 class ArtifactError(T4ROpsError):
     """An exported artifact is missing, truncated or changed since export."""
+
+
+class CheckpointError(ArtifactError):
+    """A training checkpoint is missing, unreadable or of another format."""
 
 
 class InvalidRequestError(T4ROpsError, ValueError):

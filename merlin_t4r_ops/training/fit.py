@@ -1,0 +1,436 @@
+"""``fit``: train a Transformers4Rec model in place on one device, DataParallel or DDP.
+
+Launching
+---------
+One script serves every setup; the launcher, not the script, decides (the
+nanoGPT way). DDP is ``torch.distributed`` itself, started by ``torchrun``; this
+package has no process manager of its own::
+
+    # single process: cuda:0 if there is a GPU, else CPU; DataParallel
+    # automatically when the process sees several GPUs ("auto")
+    python train.py
+
+    # one node, N processes (one per GPU; gloo on CPU-only machines)
+    torchrun --standalone --nproc_per_node=N train.py
+
+    # several nodes: run on every node, same endpoint and job id
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
+        --rdzv-endpoint=HOST_OF_NODE0:29500 --rdzv-id=JOB train.py
+
+where ``train.py`` is essentially::
+
+    from merlin_t4r_ops.training import fit
+    history = fit(model, "data/train/", eval_data="data/valid/", epochs=3)
+    # `model` now holds the trained weights on every rank, unwrapped
+
+Under DDP each process trains on its own shard of the data, chosen by its
+*global* rank, so multi-node sharding needs nothing extra; gradients are
+averaged by DDP's all-reduce; evaluation metrics are reduced exactly over the
+whole eval set and are equal on every rank; only the main process (global
+rank 0) prints and writes checkpoints.
+
+Learning rate under DDP
+-----------------------
+``batch_size`` is per rank, so one optimizer step sees a global batch of
+``world_size * batch_size`` examples, and an epoch has ``world_size`` times
+fewer steps. To keep training comparable to a single-process run with batch
+``B`` either keep the global batch (``batch_size = B // world_size``, same
+``lr``) or keep the per-rank batch and scale the learning rate linearly,
+``lr = base_lr * world_size`` (with a warm-up for large worlds; for Adam a
+square-root scaling is often safer). ``fit`` does not rescale ``lr`` for you.
+"""
+
+import contextlib
+import logging
+import math
+import random
+import time
+from typing import Callable, Iterable, List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from merlin_t4r_ops.errors import StrategyError
+from merlin_t4r_ops.training.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
+from merlin_t4r_ops.training.data import make_loader, to_device
+from merlin_t4r_ops.training.metrics import MetricAccumulator
+from merlin_t4r_ops.training.state import (
+    DistributedState,
+    prepare_model,
+    resolve_strategy,
+    unwrap_model,
+)
+from merlin_t4r_ops.training.unused import freeze, probe_unused_parameters, restore_requires_grad
+
+__all__ = ["fit", "evaluate"]
+
+logger = logging.getLogger(__name__)
+
+
+def _state(strategy) -> DistributedState:
+    if isinstance(strategy, DistributedState):
+        return strategy
+    return resolve_strategy(strategy)
+
+
+def _loss(output) -> torch.Tensor:
+    loss = output["loss"]
+    # DataParallel gathers one 0-dim loss per replica into a vector.
+    return loss.mean() if loss.dim() > 0 else loss
+
+
+def _batch_rows(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return int(x.shape[0])
+    if isinstance(x, dict):
+        for value in x.values():
+            return _batch_rows(value)
+    return 0
+
+
+def _autocast(amp: bool, state: DistributedState):
+    if not amp:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type="cuda", dtype=torch.float16)
+
+
+def evaluate(
+    model,
+    eval_data,
+    *,
+    strategy: Union[str, DistributedState] = "auto",
+    batch_size: int = 32,
+    amp: bool = False,
+) -> dict:
+    """Evaluate a T4R model over ``eval_data``; under DDP, exactly over all shards.
+
+    Parameters
+    ----------
+    model : transformers4rec.torch.Model or a DataParallel/DDP wrapper of one
+        Under DDP the unwrapped module is run on each rank's shard (no
+        collectives in the forward pass, so unequal shards cannot hang).
+    eval_data : path(s), merlin.io.Dataset or iterable of (x, y)
+        See :func:`fit`.
+    strategy : str or DistributedState
+    batch_size : int
+        Per-rank batch size.
+    amp : bool
+        Autocast the forward pass (CUDA only).
+
+    Returns
+    -------
+    dict
+        Metric name to float, identical on every rank (see
+        :class:`~merlin_t4r_ops.training.metrics.MetricAccumulator`).
+    """
+    state = _state(strategy)
+    loader = make_loader(eval_data, model, state, batch_size=batch_size, shuffle=False)
+    return _evaluate(model, loader, state, amp)
+
+
+def _evaluate(model, loader, state: DistributedState, amp: bool) -> dict:
+    # DP replicates the forward and gathers dict outputs; DDP's forward would
+    # sync buffers collectively, so each rank runs its own module instead.
+    runner = unwrap_model(model) if state.is_distributed else model
+    inner = unwrap_model(model)
+    accumulator = MetricAccumulator(inner, state)
+    was_training = inner.training
+    inner.eval()
+    with torch.no_grad():
+        for x, y in loader:
+            x, y = to_device(x, state.device), to_device(y, state.device)
+            with _autocast(amp, state):
+                output = runner(x, targets=y, testing=True)
+            accumulator.update(output)
+    inner.train(was_training)
+    return accumulator.compute()
+
+
+def _check_args(epochs, batch_size, amp, state, resume, checkpoint_dir, lr_scheduler_interval):
+    if not isinstance(epochs, int) or epochs < 0:
+        raise ValueError(f"epochs must be a non-negative int, got {epochs!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int (per rank), got {batch_size!r}")
+    if amp and state.device.type != "cuda":
+        raise StrategyError(
+            f"amp=True expects a CUDA device (autocast float16 + GradScaler); this process "
+            f"trains on {state.device} (strategy {state.strategy!r}). Pass amp=False on CPU"
+        )
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume=True expects checkpoint_dir= naming where checkpoints are, got None")
+    if lr_scheduler_interval not in ("epoch", "step"):
+        raise ValueError(
+            f"lr_scheduler_interval must be 'epoch' or 'step', got {lr_scheduler_interval!r}"
+        )
+
+
+def fit(
+    model,
+    train_data,
+    *,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    epochs: int = 1,
+    strategy: Union[str, DistributedState] = "auto",
+    eval_data=None,
+    amp: bool = False,
+    batch_size: int = 32,
+    eval_batch_size: Optional[int] = None,
+    lr: float = 1e-3,
+    lr_scheduler=None,
+    lr_scheduler_interval: str = "epoch",
+    max_grad_norm: Optional[float] = None,
+    checkpoint_dir=None,
+    resume: bool = False,
+    seed: Optional[int] = None,
+    shuffle: bool = True,
+    drop_last: bool = False,
+    find_unused_parameters: Optional[bool] = None,
+    progress: bool = True,
+    callbacks: Sequence[Callable[[dict], None]] = (),
+) -> List[dict]:
+    """Train ``model`` in place; return the per-epoch history.
+
+    Parameters
+    ----------
+    model : transformers4rec.torch.Model
+        Unwrapped. Next-item prediction, binary classification and regression
+        heads are supported. On return it holds the trained weights on every
+        rank, unwrapped, on ``state.device``, with ``requires_grad`` flags as given.
+    train_data : str, os.PathLike, list of them, merlin.io.Dataset, or iterable of (x, y)
+        Parquet path(s) (with ``schema.pbtxt``) or a Dataset: ``fit`` builds
+        per-rank Merlin loaders from the model's input schema, targets and
+        ``max_sequence_length``, sharded by global rank. Anything else is a
+        ready dataloader used as is (re-iterable; shard it yourself under DDP).
+    optimizer : torch.optim.Optimizer, optional
+        Over ``model.parameters()``; default ``Adam(lr=lr)``.
+    epochs : int
+        Total number of epochs, counting those already done when resuming.
+    strategy : {"auto", "single", "dp", "ddp"} or DistributedState
+        See :func:`~merlin_t4r_ops.training.state.resolve_strategy`.
+    eval_data : optional
+        Same forms as ``train_data``; evaluated after each epoch on every rank
+        over its shard, metrics reduced exactly over the whole set.
+    amp : bool
+        ``torch.autocast`` float16 + ``GradScaler``; CUDA only, on CPU it
+        raises :class:`StrategyError` rather than silently training in fp32.
+    batch_size : int
+        Per-rank batch size (global batch = ``world_size * batch_size``; see
+        the module docstring for learning-rate scaling).
+    eval_batch_size : int, optional
+        Defaults to ``batch_size``.
+    lr : float
+        Learning rate of the default optimizer.
+    lr_scheduler : torch.optim.lr_scheduler.LRScheduler, optional
+        Stepped once per epoch, or once per optimizer step with
+        ``lr_scheduler_interval="step"``.
+    max_grad_norm : float, optional
+        Clip the global gradient norm (after unscaling under AMP).
+    checkpoint_dir : str or os.PathLike, optional
+        Write ``last.pt`` after each epoch (main process, atomically).
+    resume : bool
+        Continue from ``checkpoint_dir/last.pt`` when it exists.
+    seed : int, optional
+        Seeds torch (``seed + rank``), numpy and random, and the data shuffle
+        (``seed + epoch``, equal on all ranks).
+    shuffle, drop_last : bool
+        For loaders that ``fit`` builds.
+    find_unused_parameters : bool, optional
+        None: probe one batch, freeze parameters no rank uses (T4R XLNet has
+        several) and fall back to ``True`` only when ranks disagree. A bool is
+        passed to DDP as is, without probing.
+    progress : bool
+        tqdm bar on the main process.
+    callbacks : sequence of callable
+        Called on every rank with each epoch's history entry, after the
+        checkpoint is written.
+
+    Returns
+    -------
+    list of dict
+        One dict per epoch with ``epoch``, ``train_loss`` (mean batch loss over
+        all ranks), ``train_samples``, ``train_seconds``, ``lr`` and
+        ``eval_<metric>`` entries when ``eval_data`` is given.
+    """
+    state = _state(strategy)
+    _check_args(epochs, batch_size, amp, state, resume, checkpoint_dir, lr_scheduler_interval)
+    inner = unwrap_model(model)
+    if inner is not model:
+        raise StrategyError(
+            f"fit expects an unwrapped model (it wraps for the strategy itself), got "
+            f"{type(model).__name__}; pass unwrap_model(model)"
+        )
+    if seed is not None:
+        torch.manual_seed(seed + state.rank)
+        np.random.seed(seed + state.rank)
+        random.seed(seed + state.rank)
+    model.to(state.device)
+    train_loader = make_loader(
+        train_data,
+        model,
+        state,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed or 0,
+        drop_last=drop_last,
+    )
+    eval_loader = None
+    if eval_data is not None:
+        eval_loader = make_loader(
+            eval_data, model, state, batch_size=eval_batch_size or batch_size, shuffle=False
+        )
+    if optimizer is None:
+        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler("cuda") if amp else None
+
+    frozen = {}
+    try:
+        if state.is_distributed and find_unused_parameters is None:
+            # Before restoring RNG states: a resumed run must continue the
+            # uninterrupted run's random stream, which drew this probe at its start.
+            batch = next(iter(train_loader), None)
+            batch = None if batch is None else tuple(to_device(b, state.device) for b in batch)
+            unused, disagree = probe_unused_parameters(model, batch, state)
+            frozen = freeze(model, unused)
+            find_unused_parameters = disagree
+            if state.is_main_process and unused:
+                logger.info("freezing %d parameters the task never uses: %s", len(unused), unused)
+            if disagree and state.is_main_process:
+                logger.info("ranks use different parameters; DDP find_unused_parameters=True")
+
+        history: List[dict] = []
+        start_epoch = 0
+        if resume:
+            ckpt = load_checkpoint(checkpoint_dir, map_location="cpu")
+            if ckpt is not None:
+                start_epoch, history = _restore(ckpt, model, optimizer, lr_scheduler, scaler, state)
+            elif state.is_main_process:
+                logger.info("resume=True but %s holds no checkpoint; starting at epoch 1", checkpoint_dir)
+
+        wrapped = prepare_model(model, state, find_unused_parameters=bool(find_unused_parameters))
+        for epoch in range(start_epoch, epochs):
+            entry = _train_epoch(
+                wrapped, train_loader, optimizer, state, epoch, epochs, amp, scaler,
+                max_grad_norm, lr_scheduler if lr_scheduler_interval == "step" else None, progress,
+            )
+            if lr_scheduler is not None and lr_scheduler_interval == "epoch":
+                lr_scheduler.step()
+            if eval_loader is not None:
+                metrics = _evaluate(wrapped, eval_loader, state, amp)
+                entry.update({f"eval_{k}": v for k, v in metrics.items()})
+            history.append(entry)
+            if state.is_main_process:
+                print(_format(entry, epochs), flush=True)
+            if checkpoint_dir is not None:
+                save_checkpoint(
+                    checkpoint_dir, state, model=model, optimizer=optimizer, epoch=epoch + 1,
+                    history=history, lr_scheduler=lr_scheduler, scaler=scaler,
+                )
+            for callback in callbacks:
+                callback(entry)
+    finally:
+        restore_requires_grad(model, frozen)
+    state.barrier()
+    return history
+
+
+def _restore(ckpt, model, optimizer, lr_scheduler, scaler, state):
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    if lr_scheduler is not None and ckpt.get("lr_scheduler") is not None:
+        lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
+    if scaler is not None and ckpt.get("scaler") is not None:
+        scaler.load_state_dict(ckpt["scaler"])
+    rngs = ckpt.get("rng") or []
+    if len(rngs) == state.world_size:
+        set_rng_state(rngs[state.rank])
+    elif state.is_main_process:
+        logger.warning(
+            "checkpoint holds RNG states of %d ranks, this run has %d; RNG streams not restored",
+            len(rngs), state.world_size,
+        )
+    if state.is_main_process:
+        logger.info("resumed from checkpoint after epoch %d", ckpt["epoch"])
+    return int(ckpt["epoch"]), list(ckpt.get("history") or [])
+
+
+def _join(wrapped, state):
+    # Ranks with fewer batches shadow the others' all-reduces instead of hanging.
+    if state.is_distributed:
+        return wrapped.join()
+    return contextlib.nullcontext()
+
+
+def _train_epoch(
+    wrapped, loader, optimizer, state, epoch, epochs, amp, scaler, max_grad_norm, step_scheduler,
+    progress,
+) -> dict:
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(epoch)
+    wrapped.train()
+    loss_sum = torch.zeros(2, dtype=torch.float64)
+    samples = 0
+    start = time.perf_counter()
+    try:
+        total = len(loader)
+    except TypeError:
+        total = None
+    bar = tqdm(
+        loader,
+        total=total,
+        desc=f"epoch {epoch + 1}/{epochs}",
+        disable=not (progress and state.is_main_process),
+        leave=False,
+    )
+    with _join(wrapped, state):
+        for x, y in bar:
+            x, y = to_device(x, state.device), to_device(y, state.device)
+            optimizer.zero_grad(set_to_none=True)
+            with _autocast(amp, state):
+                loss = _loss(wrapped(x, targets=y, training=True))
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)
+            else:
+                loss.backward()
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_grad_norm)
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            if step_scheduler is not None:
+                step_scheduler.step()
+            value = float(loss.detach())
+            if not math.isfinite(value) and state.is_main_process:
+                logger.warning("non-finite training loss %s at epoch %d", value, epoch + 1)
+            loss_sum += torch.tensor([value, 1.0], dtype=torch.float64)
+            samples += _batch_rows(x)
+            bar.set_postfix(loss=f"{value:.4f}")
+    bar.close()
+    totals = torch.cat([loss_sum, torch.tensor([float(samples)], dtype=torch.float64)])
+    if state.is_distributed:
+        totals = totals.to(state.device)
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        totals = totals.cpu()
+    seconds = time.perf_counter() - start
+    if state.is_distributed:
+        # The slowest rank's time is the epoch's time.
+        t = torch.tensor([seconds], dtype=torch.float64, device=state.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        seconds = float(t.cpu())
+    return {
+        "epoch": epoch + 1,
+        "train_loss": float(totals[0] / totals[1]) if totals[1] > 0 else float("nan"),
+        "train_samples": int(totals[2]),
+        "train_seconds": seconds,
+        "lr": float(optimizer.param_groups[0]["lr"]),
+    }
+
+
+def _format(entry: dict, epochs: int) -> str:
+    parts = [f"epoch {entry['epoch']}/{epochs}", f"train_loss={entry['train_loss']:.4f}"]
+    parts += [f"{k}={v:.4f}" for k, v in entry.items() if k.startswith("eval_")]
+    return "  ".join(parts)

@@ -1,0 +1,122 @@
+"""Tiny synthetic session data and T4R models shared by the training tests and benchmark.
+
+Data is written as parquet with a Merlin ``schema.pbtxt`` next to it, the way
+an NVTabular workflow would leave it, so ``merlin.io.Dataset(path)`` picks the
+schema up. Models are small (d_model 16-32, 1-2 layers) so a CPU test trains in
+seconds; dropout is 0 so runs are deterministic given the seed.
+"""
+
+import os
+
+import numpy as np
+import pandas as pd
+import transformers4rec.torch as tr
+from merlin.io import Dataset
+from merlin.schema import ColumnSchema, Schema, Tags
+from merlin.schema.io.tensorflow_metadata import TensorflowMetadata
+
+N_ITEMS = 50
+N_CATEGORIES = 8
+MAX_LEN = 10
+
+
+def session_schema():
+    """Merlin schema of the synthetic sessions (item-id list, category list, two targets)."""
+    list_props = {"value_count": {"min": 2, "max": MAX_LEN}}
+    return Schema(
+        [
+            ColumnSchema(
+                "item_id-list",
+                dtype="int64",
+                tags=[Tags.ITEM_ID, Tags.ITEM, Tags.ID, Tags.CATEGORICAL, Tags.LIST],
+                is_list=True,
+                is_ragged=True,
+                properties={
+                    "domain": {"min": 0, "max": N_ITEMS - 1, "name": "item_id"},
+                    **list_props,
+                },
+            ),
+            ColumnSchema(
+                "category-list",
+                dtype="int64",
+                tags=[Tags.CATEGORICAL, Tags.LIST],
+                is_list=True,
+                is_ragged=True,
+                properties={
+                    "domain": {"min": 0, "max": N_CATEGORIES - 1, "name": "category"},
+                    **list_props,
+                },
+            ),
+            ColumnSchema("click", dtype="float32", tags=[Tags.TARGET, Tags.BINARY_CLASSIFICATION]),
+            ColumnSchema("rating", dtype="float32", tags=[Tags.TARGET, Tags.REGRESSION]),
+        ]
+    )
+
+
+def session_frame(n_rows, seed=0):
+    """``n_rows`` random sessions; the click target depends on the items so it is learnable."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, MAX_LEN + 1, size=n_rows)
+    items = [rng.integers(1, N_ITEMS, size=n).tolist() for n in lengths]
+    cats = [[i % (N_CATEGORIES - 1) + 1 for i in seq] for seq in items]
+    click = np.array([float(seq[-1] % 2 == 0) for seq in items], dtype=np.float32)
+    rating = np.array([np.mean(seq) / N_ITEMS for seq in items], dtype=np.float32)
+    return pd.DataFrame(
+        {"item_id-list": items, "category-list": cats, "click": click, "rating": rating}
+    )
+
+
+def write_sessions(path, n_rows, seed=0, n_files=2):
+    """Write ``n_rows`` sessions as ``n_files`` parquet files plus ``schema.pbtxt`` under ``path``.
+
+    Returns
+    -------
+    str
+        ``path``
+    """
+    os.makedirs(path, exist_ok=True)
+    df = session_frame(n_rows, seed)
+    for i, part in enumerate(np.array_split(np.arange(n_rows), n_files)):
+        df.iloc[part].reset_index(drop=True).to_parquet(
+            os.path.join(path, f"part_{i}.parquet"), row_group_size=max(1, len(part) // 2)
+        )
+    TensorflowMetadata.from_merlin_schema(session_schema()).to_proto_text_file(path)
+    return path
+
+
+def dataset(path):
+    """``merlin.io.Dataset`` over the parquet files written by :func:`write_sessions`."""
+    return Dataset(os.path.join(path, "*.parquet"), engine="parquet", schema=session_schema())
+
+
+def build_model(task="binary", d_model=16, n_layer=1, masking=None, schema=None, seed=0):
+    """A tiny XLNet T4R model for ``task`` in {"binary", "regression", "next-item"}.
+
+    Causal masking and dropout 0, so the forward pass is deterministic.
+    """
+    import torch
+
+    torch.manual_seed(seed)
+    schema = schema or session_schema()
+    features = schema.select_by_name(["item_id-list", "category-list", "click", "rating"])
+    masking = masking or "clm"
+    inputs = tr.TabularSequenceFeatures.from_schema(
+        features.select_by_tag(Tags.CATEGORICAL),
+        max_sequence_length=MAX_LEN,
+        continuous_projection=None,
+        aggregation="concat",
+        d_output=d_model,
+        masking=masking,
+    )
+    config = tr.XLNetConfig.build(
+        d_model=d_model, n_head=2, n_layer=n_layer, total_seq_length=MAX_LEN, dropout=0.0
+    )
+    if task == "binary":
+        head_task = tr.BinaryClassificationTask("click", summary_type="mean")
+    elif task == "regression":
+        head_task = tr.RegressionTask("rating", summary_type="mean")
+    elif task == "next-item":
+        head_task = tr.NextItemPredictionTask(weight_tying=True)
+    else:
+        raise ValueError(f"task must be 'binary', 'regression' or 'next-item', got {task!r}")
+    return config.to_torch_model(inputs, head_task, max_sequence_length=MAX_LEN)
