@@ -1,8 +1,27 @@
-"""Train Transformers4Rec models on one device, DataParallel or DDP.
+"""Train Transformers4Rec models on one device, with DataParallel, or with DDP.
 
-(Launch story and API are documented in :mod:`merlin_t4r_ops.training.fit`.)
+Quick start::
+
+    from merlin_t4r_ops.training import fit
+    history = fit(model, "data/train/", eval_data="data/valid/", epochs=3, seed=0)
+
+Launch the same script as ``python train.py`` (one device, or DataParallel when
+one process sees several GPUs), ``torchrun --standalone --nproc_per_node=N
+train.py`` (DDP on one node; gloo on CPU) or, on every node,
+``torchrun --nnodes=M --nproc_per_node=N --rdzv-backend=c10d
+--rdzv-endpoint=HOST:29500 --rdzv-id=JOB train.py``. DDP is torch.distributed
+itself; there is no home-made process manager. ``batch_size`` is per rank, so
+the global batch is ``world_size * batch_size``: keep the global batch or scale
+the learning rate (see :mod:`merlin_t4r_ops.training.fit` for the full story).
+
+The strategy decision is one :class:`DistributedState` made by
+:func:`resolve_strategy` and passed around, never a global.
 """
 
+from merlin_t4r_ops.training.checkpoint import load_checkpoint, save_checkpoint
+from merlin_t4r_ops.training.data import ShardedLoader, make_loader
+from merlin_t4r_ops.training.fit import evaluate, fit
+from merlin_t4r_ops.training.metrics import MetricAccumulator
 from merlin_t4r_ops.training.state import (
     DistributedState,
     prepare_model,
@@ -15,7 +34,17 @@ __all__ = [
     "resolve_strategy",
     "prepare_model",
     "unwrap_model",
+    "fit",
+    "evaluate",
+    "make_loader",
+    "ShardedLoader",
+    "MetricAccumulator",
+    "save_checkpoint",
+    "load_checkpoint",
 ]
 
 # --- trainer exports (helper B adds merlin_t4r_ops.training.trainer here) ---
+from merlin_t4r_ops.training.trainer import Trainer, data_shard  # noqa: E402
+
+__all__ += ["Trainer", "data_shard"]
 # --- end trainer exports ---
