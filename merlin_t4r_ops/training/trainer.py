@@ -15,7 +15,7 @@ construction, the evaluation loop and the saving/logging guards.
 """
 
 import logging
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,14 +25,13 @@ from transformers.training_args import ParallelMode
 from transformers4rec.config.trainer import T4RecTrainingArguments
 from transformers4rec.torch import Trainer as T4RTrainer
 from transformers4rec.torch.model.prediction_task import NextItemPredictionTask
-from transformers4rec.torch.ranking_metric import RankingMetric
-from transformers4rec.torch.utils import torch_utils
 from transformers4rec.torch.utils.data_utils import T4RecDataLoader
 
 from merlin_t4r_ops.errors import StrategyError
+from merlin_t4r_ops.training.metrics import MetricAccumulator
 from merlin_t4r_ops.training.state import DistributedState, resolve_strategy, unwrap_model
 
-__all__ = ["Trainer", "ExactMeanAccumulator", "per_example_ranking_metrics", "data_shard"]
+__all__ = ["Trainer", "data_shard"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,98 +69,6 @@ class _SharedEpochSeed:
     def __call__(self) -> int:
         self.calls += 1
         return (self.seed + self.calls) % (2**32)
-
-
-class ExactMeanAccumulator:
-    """Means over all examples (not over batches), summed locally and reduced once.
-
-    Parameters
-    ----------
-    names : sequence of str
-        Every name that :meth:`add` may be called with. Fixed up front so each
-        rank reduces the same vector, even a rank that saw no batch.
-    """
-
-    def __init__(self, names):
-        self.names = list(dict.fromkeys(names))
-        self._sums: Dict[str, Optional[torch.Tensor]] = {n: None for n in self.names}
-        self._counts: Dict[str, float] = {n: 0.0 for n in self.names}
-        #: Example counts over all ranks, filled by :meth:`compute`.
-        self.counts: Dict[str, float] = {}
-
-    def add(self, name: str, values: torch.Tensor, weight: Optional[float] = None) -> None:
-        """Add per-example ``values`` of shape ``(n,)`` or ``(n, k)``.
-
-        ``weight`` replaces the per-row count when ``values`` already is a mean
-        (e.g. a batch loss, with ``weight`` = examples in the batch).
-        """
-        if name not in self._sums:
-            raise KeyError(f"name must be one of {self.names}, got {name!r}")
-        values = values.detach().to(torch.float64)
-        if weight is None:
-            total, count = values.reshape(values.shape[0], -1).sum(0), float(values.shape[0])
-        else:
-            total, count = values.reshape(1, -1).sum(0) * weight, float(weight)
-        prev = self._sums[name]
-        self._sums[name] = total.cpu() if prev is None else prev + total.cpu()
-        self._counts[name] += count
-
-    def compute(self, state: Optional[DistributedState] = None, widths=None) -> Dict[str, torch.Tensor]:
-        """Return ``{name: sum / count}``, reduced over ranks when ``state`` is DDP.
-
-        Parameters
-        ----------
-        state : DistributedState, optional
-            Under DDP every rank must call this; all get identical results.
-        widths : mapping of str to int, optional
-            Length of each name's vector, for names this rank never saw
-            (needed only under DDP). Default 1.
-        """
-        widths = dict(widths or {})
-        flat = []
-        for n in self.names:
-            width = widths.get(n, 1) if self._sums[n] is None else self._sums[n].numel()
-            flat.append(self._sums[n] if self._sums[n] is not None else torch.zeros(width, dtype=torch.float64))
-            flat.append(torch.tensor([self._counts[n]], dtype=torch.float64))
-        vec = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
-        if state is not None and state.is_distributed:
-            # One all_reduce for everything; NCCL needs the tensor on this rank's GPU.
-            vec = vec.to(state.device)
-            dist.all_reduce(vec, op=dist.ReduceOp.SUM)
-            vec = vec.cpu()
-        out, pos = {}, 0
-        for n, part in zip(self.names, flat[0::2]):
-            width = part.numel()
-            total, count = vec[pos : pos + width], vec[pos + width]
-            self.counts[n] = count.item()
-            out[n] = total / count if count > 0 else torch.full_like(total, float("nan"))
-            pos += width + 1
-        return out
-
-
-def per_example_ranking_metrics(task, predictions: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """Each ranking metric of ``task`` for every example, shape ``(n, len(top_ks))``.
-
-    Uses the metric objects' own ``_metric`` so definitions and names match T4R
-    (``"next-item/ndcg_at"`` etc.); non-ranking metrics are skipped.
-    """
-    predictions = task.forward_to_prediction_fn(predictions)
-    scores = predictions.reshape(-1, predictions.size(-1))
-    out = {}
-    for metric in task.metrics:
-        if not isinstance(metric, RankingMetric):
-            continue
-        target = labels
-        if metric.labels_onehot:
-            target = torch_utils.tranform_label_to_onehot(labels, scores.size(-1))
-        target = target.reshape(-1, target.size(-1))
-        if scores.shape[0] == 1:
-            # RecallAt squeezes its row index to 0-d for a single row and fails; pad to two.
-            values = metric._metric(metric.top_ks, scores.repeat(2, 1), target.repeat(2, 1))[:1]
-        else:
-            values = metric._metric(metric.top_ks, scores, target)
-        out[task.metric_name(metric)] = values.reshape(scores.shape[0], -1)
-    return out
 
 
 class Trainer(T4RTrainer):
@@ -291,39 +198,21 @@ class Trainer(T4RTrainer):
         model.eval()
         self.callback_handler.eval_dataloader = dataloader
 
-        tasks = _prediction_tasks(core)
-        names, widths = ["loss"], {"loss": 1}
-        if self.compute_metrics and testing:
-            for tname, task in tasks.items():
-                for m in task.metrics:
-                    if isinstance(m, RankingMetric):
-                        names.append(task.metric_name(m))
-                        widths[task.metric_name(m)] = len(m.top_ks)
-        acc = ExactMeanAccumulator(names + ["_examples"])
+        acc = MetricAccumulator(core, self.dist_state)
         top_k = self.args.predict_top_k or getattr(core, "top_k", None)
-        rank_preds = self._wants_topk(core) and bool(top_k)
+        rank_preds = bool(top_k) and any(isinstance(t, NextItemPredictionTask) for t in core.prediction_tasks)
 
-        preds_all, labels_all = [], []
+        preds_all, labels_all, n_examples = [], [], 0
         max_steps = self.args.eval_steps_on_train_set if metric_key_prefix == "train" else 0
         for step, inputs in enumerate(dataloader):
             if max_steps and step >= max_steps:
                 break
-            n_rows = find_batch_size(inputs) or 0
+            n_examples += find_batch_size(inputs) or 0
             loss, preds, labels, _ = self.prediction_step(
                 model, inputs, prediction_loss_only, ignore_keys=ignore_keys, testing=testing
             )
-            acc.add("_examples", torch.ones(n_rows))
-            if loss is not None and labels is not None:
-                n_labels = _num_rows(labels)
-                acc.add("loss", loss.reshape(1), weight=n_labels)
-            elif loss is not None:
-                acc.add("loss", loss.reshape(1), weight=n_rows)
-            if len(names) > 1 and preds is not None and labels is not None:
-                for tname, task in tasks.items():
-                    p = preds[tname] if isinstance(preds, dict) else preds
-                    y = labels[tname] if isinstance(labels, dict) else labels
-                    for mname, values in per_example_ranking_metrics(task, p, y).items():
-                        acc.add(mname, values)
+            if testing and preds is not None:
+                acc.update({"loss": loss, "predictions": preds, "labels": labels})
             if not prediction_loss_only and preds is not None:
                 if rank_preds and isinstance(preds, torch.Tensor):
                     scores, ids = torch.topk(preds, k=min(top_k, preds.size(-1)), dim=-1)
@@ -333,24 +222,26 @@ class Trainer(T4RTrainer):
                     labels_all.append(_to_cpu(labels))
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
 
-        means = acc.compute(self.dist_state, widths)
         metrics = {}
-        if testing:
-            metrics[f"{metric_key_prefix}_/loss"] = means["loss"].item()
-            for n in names[1:]:
-                for k, v in zip(_top_ks_of(tasks, n), means[n].tolist()):
-                    metrics[f"{metric_key_prefix}_/{n}_{k}"] = v
+        if testing and not prediction_loss_only:
+            exact = acc.compute()  # a collective under DDP: every rank reaches it
+            keep = exact if self.compute_metrics else {"loss": exact["loss"]}
+            metrics = {f"{metric_key_prefix}_/{k}": v for k, v in keep.items()}
         # Same condition on every rank: the gathers below are collectives.
         gather = not prediction_loss_only
         return EvalLoopOutput(
             predictions=self._gather_concat(preds_all) if gather else None,
             label_ids=self._gather_concat(labels_all) if gather and testing else None,
             metrics=metrics,
-            num_samples=int(round(acc.counts["_examples"])),
+            num_samples=self._global_sum(n_examples),
         )
 
-    def _wants_topk(self, core) -> bool:
-        return any(isinstance(t, NextItemPredictionTask) for t in core.prediction_tasks)
+    def _global_sum(self, n: int) -> int:
+        if not self.dist_state.is_distributed:
+            return int(n)
+        total = torch.tensor([n], dtype=torch.float64, device=self.dist_state.device)
+        dist.all_reduce(total)
+        return int(total.item())
 
     def _gather_concat(self, pieces):
         """Concatenate this rank's batches, then all ranks in rank order (as numpy)."""
@@ -405,29 +296,6 @@ def _align_args(args: T4RecTrainingArguments, state: DistributedState) -> None:
     elif args.n_gpu > 1:
         # Hugging Face wraps in DataParallel whenever n_gpu > 1.
         args._n_gpu = 1
-
-
-def _prediction_tasks(core) -> Mapping[str, object]:
-    tasks = {}
-    for head in core.heads:
-        tasks.update(head.prediction_task_dict)
-    return tasks
-
-
-def _top_ks_of(tasks, metric_name: str):
-    for task in tasks.values():
-        for m in task.metrics:
-            if task.metric_name(m) == metric_name:
-                return m.top_ks
-    raise KeyError(metric_name)
-
-
-def _num_rows(x) -> int:
-    if isinstance(x, dict):
-        return sum(_num_rows(v) for v in x.values())
-    if isinstance(x, (list, tuple)):
-        return _num_rows(x[0])
-    return int(x.shape[0])
 
 
 def _to_cpu(x):

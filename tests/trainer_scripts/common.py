@@ -40,21 +40,23 @@ def write_sessions(path, n_sessions, n_partitions, seed=0, n_items=N_ITEMS, max_
     the list of file paths (one Merlin partition each).
     """
     rng = np.random.default_rng(seed)
-    sessions = []
-    for _ in range(n_sessions):
+    sessions, seen = [], set()
+    while len(sessions) < n_sessions:
         length = int(rng.integers(2, max_len + 1))
         start = int(rng.integers(1, n_items))
         seq = [(start + i - 1) % (n_items - 1) + 1 for i in range(length)]
         noise = rng.random(length) < 0.2
         seq = [int(rng.integers(1, n_items)) if n else s for s, n in zip(seq, noise)]
-        sessions.append(seq)
+        # Unique sessions let tests check shards by content.
+        if tuple(seq) not in seen:
+            seen.add(tuple(seq))
+            sessions.append(seq)
     os.makedirs(path, exist_ok=True)
     files = []
     for p, chunk in enumerate(np.array_split(np.arange(n_sessions), n_partitions)):
         df = pd.DataFrame({ITEM_COL: [sessions[i] for i in chunk]})
-        df["session_id"] = chunk.astype("int64")
         f = os.path.join(path, f"part_{p:02d}.parquet")
-        df[[ITEM_COL]].to_parquet(f, index=False)
+        df.to_parquet(f, index=False)
         files.append(f)
     return files, sessions
 
