@@ -66,8 +66,11 @@ def session_frame(n_rows, seed=0):
     )
 
 
-def write_sessions(path, n_rows, seed=0, n_files=2):
+def write_sessions(path, n_rows, seed=0, n_files=2, sizes=None):
     """Write ``n_rows`` sessions as ``n_files`` parquet files plus ``schema.pbtxt`` under ``path``.
+
+    ``sizes`` (rows per file, summing to ``n_rows``) makes files of unequal size,
+    hence unequal DDP shards.
 
     Returns
     -------
@@ -76,7 +79,12 @@ def write_sessions(path, n_rows, seed=0, n_files=2):
     """
     os.makedirs(path, exist_ok=True)
     df = session_frame(n_rows, seed)
-    for i, part in enumerate(np.array_split(np.arange(n_rows), n_files)):
+    if sizes is not None:
+        assert sum(sizes) == n_rows, (sizes, n_rows)
+        parts = np.split(np.arange(n_rows), np.cumsum(sizes)[:-1])
+    else:
+        parts = np.array_split(np.arange(n_rows), n_files)
+    for i, part in enumerate(parts):
         df.iloc[part].reset_index(drop=True).to_parquet(
             os.path.join(path, f"part_{i}.parquet"), row_group_size=max(1, len(part) // 2)
         )

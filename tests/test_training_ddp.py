@@ -1,0 +1,154 @@
+"""Two real DDP processes over gloo on 127.0.0.1, launched by torch.distributed.run.
+
+Checks what DDP promises and what ``fit`` adds on top: identical weights on all
+ranks, equality with single-process training on the same global batches,
+disjoint shards that cover the dataset, exact eval metrics equal on every rank,
+and no hang when shards have unequal sizes.
+"""
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import t4r_training_factories as factories
+from merlin_t4r_ops.training import DistributedState, evaluate, load_checkpoint, make_loader
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "tests", "training_scripts", "ddp_fit.py")
+CPU = torch.device("cpu")
+
+
+def torchrun(out, *script_args, nproc=2, timeout=240):
+    """Run the DDP script under torchrun with a free port; return per-rank (json, weights)."""
+    os.makedirs(out, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
+    env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU even where a GPU exists
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", SCRIPT, "--out", str(out), *map(str, script_args),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = []
+    for r in range(nproc):
+        with open(os.path.join(out, f"rank{r}.json")) as fh:
+            info = json.load(fh)
+        ranks.append((info, torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True)))
+    return ranks, proc.stdout
+
+
+def lockstep_reference(task, train, epochs, batch_size, world=2):
+    """Single process, same global batches: mean of the per-rank losses per step (DDP's average)."""
+    model = factories.build_model(task, seed=0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loaders = [
+        make_loader(train, model, DistributedState("ddp", r, r, world, CPU, "reference"),
+                    batch_size=batch_size, shuffle=False)
+        for r in range(world)
+    ]
+    assert len({len(loader) for loader in loaders}) == 1, "reference needs equal shards"
+    model.train()
+    for _ in range(epochs):
+        for batches in zip(*loaders):
+            optimizer.zero_grad()
+            loss = sum(model(x, targets=y, training=True)["loss"] for x, y in batches) / world
+            loss.backward()
+            optimizer.step()
+    return model
+
+
+def rows(path):
+    """Multiset of the item sequences stored under ``path``."""
+    import pandas as pd
+
+    frame = pd.concat(
+        pd.read_parquet(os.path.join(path, f)) for f in sorted(os.listdir(path)) if f.endswith(".parquet")
+    )
+    return collections.Counter(tuple(seq) for seq in frame["item_id-list"].map(list))
+
+
+def assert_same_weights(a, b, **tol):
+    assert a.keys() == b.keys()
+    for name in a:
+        if tol:
+            torch.testing.assert_close(a[name], b[name], msg=name, **tol)
+        else:
+            assert torch.equal(a[name], b[name]), name
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp_data")
+    train = factories.write_sessions(str(root / "train"), 128, seed=0, n_files=2)
+    # Three files of 20/20/21 rows: the two eval shards differ in size.
+    valid = factories.write_sessions(str(root / "valid"), 61, seed=1, n_files=3)
+    uneven = factories.write_sessions(str(root / "uneven"), 108, seed=2, sizes=[80, 28])
+    return {"train": train, "valid": valid, "uneven": uneven, "root": root}
+
+
+@pytest.mark.parametrize("task", ["binary", "next-item"])
+def test_fit_ddp_matches_single_process_and_reduces_metrics_exactly(task, data):
+    epochs, batch = 2, 16
+    ranks, stdout = torchrun(
+        data["root"] / f"out-{task}", "--task", task, "--train", data["train"],
+        "--eval", data["valid"], "--epochs", epochs, "--batch-size", batch,
+    )
+    (info0, w0), (info1, w1) = ranks
+
+    # torchrun environment -> "auto" picks DDP over gloo, one process per rank.
+    assert [info0["strategy"], info1["strategy"]] == ["ddp", "ddp"]
+    assert (info0["rank"], info1["rank"], info0["world_size"]) == (0, 1, 2)
+    assert info0["backend"] == "gloo" and info0["device"] == "cpu"
+    # Returned model is the plain T4R model with its trainability as given.
+    assert info0["model_type"] == "Model" and all(info0["requires_grad"].values())
+
+    # DDP keeps replicas identical; fit leaves the trained weights on every rank.
+    assert_same_weights(w0, w1)
+    reference = lockstep_reference(task, data["train"], epochs, batch)
+    assert_same_weights(w0, reference.state_dict(), rtol=1e-4, atol=1e-5)
+
+    # Eval metrics: equal on both ranks and to a single-process eval of the same weights.
+    h0, h1 = info0["history"], info1["history"]
+    assert h0 == [dict(h, train_seconds=h0[i]["train_seconds"]) for i, h in enumerate(h1)]
+    model = factories.build_model(task, seed=1)
+    model.load_state_dict(w0)
+    single = evaluate(model, data["valid"], strategy="single", batch_size=batch)
+    got = {k[len("eval_"):]: v for k, v in h0[-1].items() if k.startswith("eval_")}
+    assert got.keys() == single.keys() and len(got) >= 4
+    for name in single:
+        assert got[name] == pytest.approx(single[name], rel=1e-5, abs=1e-6), name
+    assert h0[-1]["train_samples"] == 128
+
+    # Only the main process prints the per-epoch lines.
+    assert stdout.count(f"epoch {epochs}/{epochs}") == 1
+
+
+def test_ddp_shards_are_disjoint_and_cover_the_dataset(data):
+    ranks, _ = torchrun(
+        data["root"] / "out-shards", "--task", "binary", "--train", data["uneven"], "--epochs", 0,
+    )
+    shards = [collections.Counter(tuple(s) for s in info["shard"]) for info, _ in ranks]
+    assert shards[0] and shards[1]
+    assert not (set(shards[0]) & set(shards[1]))
+    assert shards[0] + shards[1] == rows(data["uneven"])
+
+
+def test_ddp_unequal_shards_do_not_hang_and_checkpoint_once(data):
+    ckpt = data["root"] / "ckpt-uneven"
+    ranks, _ = torchrun(
+        data["root"] / "out-uneven", "--task", "binary", "--train", data["uneven"],
+        "--epochs", 2, "--batch-size", 16, "--shuffle", "--checkpoint-dir", ckpt, timeout=180,
+    )
+    (info0, w0), (info1, w1) = ranks
+    assert_same_weights(w0, w1)
+    assert info0["history"][-1]["train_samples"] == 108
+    saved = load_checkpoint(ckpt)
+    assert saved["epoch"] == 2 and saved["world_size"] == 2 and len(saved["rng"]) == 2
+    assert_same_weights(saved["model"], w0)
+    assert os.listdir(ckpt) == ["last.pt"]  # no temp files left behind

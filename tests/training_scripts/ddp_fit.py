@@ -1,0 +1,69 @@
+"""Run under ``torch.distributed.run`` by tests/test_training_ddp.py: ``fit`` under DDP.
+
+Each rank writes to ``--out``: ``rank{R}.pt`` (trained weights) and
+``rank{R}.json`` (resolved state, history, the rows of its train shard).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import t4r_training_factories as factories  # noqa: E402
+
+from merlin_t4r_ops.training import fit, make_loader, resolve_strategy  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--task", required=True)
+    parser.add_argument("--train", required=True)
+    parser.add_argument("--eval", default=None)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--shuffle", action="store_true")
+    parser.add_argument("--checkpoint-dir", default=None)
+    args = parser.parse_args()
+
+    state = resolve_strategy("auto")
+    model = factories.build_model(args.task, seed=0)
+    history = fit(
+        model,
+        args.train,
+        eval_data=args.eval,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        strategy=state,
+        shuffle=args.shuffle,
+        seed=0,
+        progress=False,
+        checkpoint_dir=args.checkpoint_dir,
+    )
+    shard = [
+        [int(i) for i in row if i != 0]
+        for x, _ in make_loader(args.train, model, state, batch_size=args.batch_size, shuffle=True, seed=5)
+        for row in x["item_id-list"].tolist()
+    ]
+    torch.save(model.state_dict(), os.path.join(args.out, f"rank{state.rank}.pt"))
+    info = {
+        "strategy": state.strategy,
+        "rank": state.rank,
+        "world_size": state.world_size,
+        "device": str(state.device),
+        "backend": torch.distributed.get_backend(),
+        "history": history,
+        "shard": shard,
+        "model_type": type(model).__name__,
+        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+    }
+    with open(os.path.join(args.out, f"rank{state.rank}.json"), "w") as fh:
+        json.dump(info, fh)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
