@@ -75,7 +75,7 @@ def save_model(model: torch.nn.Module, directory) -> Dict[str, dict]:
     directory.mkdir(parents=True, exist_ok=True)
     state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     _atomic_write(directory / WEIGHTS_NAME, lambda f: torch.save(state, f))
-    skeleton = _weightless_copy(model).cpu()
+    skeleton = _weightless_copy(model)  # buffers come back on the CPU via map_location
     _atomic_write(
         directory / MODULE_NAME,
         lambda f: torch.save(skeleton, f, pickle_module=cloudpickle),

@@ -165,7 +165,9 @@ class PredictT4RPyTorch(BaseOperator):
 
     # -- artifacts: the model never goes into ensemble.pkl ---------------------------------
     def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k != "model"}
+        state = dict(self.__dict__)
+        state["model"] = None
+        return state
 
     def save_artifacts(self, artifact_path=None) -> None:
         """Write the model's weights, structure and checksums under ``artifact_path``."""
@@ -175,8 +177,12 @@ class PredictT4RPyTorch(BaseOperator):
 
     def load_artifacts(self, artifact_path=None) -> None:
         """Verify and load the model saved by :meth:`save_artifacts`, on the instance's device."""
-        if artifact_path is None:
-            raise T4ROpsError("load_artifacts needs artifact_path, got None")
+        if not artifact_path:
+            # merlin.dag.Graph calls load_artifacts("") while it is built in-process,
+            # where the op still holds the user's model.
+            if getattr(self, "model", None) is None:
+                raise T4ROpsError("load_artifacts needs the export's artifact_path, got none")
+            return
         self.model = load_model(
             Path(artifact_path) / self._artifact_dir, resolve_device(self.requested_device)
         )

@@ -9,6 +9,10 @@ measured on the CPU and on an H200, follow from that:
 * this environment's ``bin`` must come first on ``PATH``;
 * ``sysconfig.get_config_var("LIBDIR")`` must be on ``LD_LIBRARY_PATH``.
 
+The stub finds the wheel's bundled libraries (``nvidia_pytriton.libs``) through an RPATH
+relative to where the wheel put it, so a copy of the stub needs that folder on
+``LD_LIBRARY_PATH`` too.
+
 Rather than write into the installed wheel, the backend is assembled once in a private
 directory and passed to the server with ``--backend-directory``.
 """
@@ -89,7 +93,8 @@ def server_environment(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env_bin = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join([env_bin, env.get("PATH", "")])
     libdir = sysconfig.get_config_var("LIBDIR") or ""
-    ld_paths = [p for p in [libdir, env.get("LD_LIBRARY_PATH", "")] if p]
+    bundled = str(_pytriton_root().parent.parent / "nvidia_pytriton.libs")
+    ld_paths = [p for p in [libdir, bundled, env.get("LD_LIBRARY_PATH", "")] if p]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(ld_paths)
     # Many torch threads per stub fight each other and Triton's own threads; one model
     # instance is one request at a time, so a few intra-op threads are the sweet spot.
