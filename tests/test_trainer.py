@@ -1,0 +1,212 @@
+"""CPU tests of merlin_t4r_ops.training.Trainer: strategy rules, exact metrics, DDP over gloo."""
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_scripts"))
+from common import ITEM_COL, MAX_LEN, TOP_KS, make_args, make_model, make_schema, write_sessions  # noqa: E402
+
+from merlin_t4r_ops.errors import StrategyError  # noqa: E402
+from merlin_t4r_ops.training import DistributedState, Trainer, data_shard  # noqa: E402
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_scripts", "ddp_next_item.py")
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_env(monkeypatch):
+    # These tests decide the strategy themselves; a stray torchrun env would make "auto" DDP.
+    for name in _LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sessions")
+    # 4 equal train partitions: 2 per rank, equal batch counts under DDP.
+    train, train_sessions = write_sessions(str(root / "train"), 256, 4, seed=0)
+    # 3 eval partitions over 2 ranks: shards of 67 and 33 rows, unequal batch counts.
+    evals, eval_sessions = write_sessions(str(root / "eval"), 100, 3, seed=1)
+    return {"train": train, "eval": evals, "train_sessions": train_sessions,
+            "eval_sessions": eval_sessions, "schema": make_schema()}
+
+
+def _trainer(data, out, model=None, strategy="single", **arg_overrides):
+    model = model if model is not None else make_model(data["schema"])
+    return Trainer(
+        model=model,
+        args=make_args(str(out), **arg_overrides),
+        strategy=strategy,
+        schema=data["schema"],
+        train_dataset_or_path=data["train"],
+        eval_dataset_or_path=data["eval"],
+        compute_metrics=True,
+    )
+
+
+def _direct_metrics(model, sessions):
+    """NDCG@k / Recall@k per session from one forward pass over all sessions (no T4R metrics)."""
+    padded = torch.zeros(len(sessions), MAX_LEN, dtype=torch.long)
+    for i, s in enumerate(sessions):
+        padded[i, : len(s)] = torch.tensor(s)
+    model.eval()
+    with torch.no_grad():
+        out = model({ITEM_COL: padded}, testing=True)
+    scores, labels = out["predictions"], out["labels"]
+    assert labels.shape[0] == len(sessions)  # eval masks exactly the last item of each session
+    rank = 1 + (scores > scores.gather(1, labels[:, None])).sum(1).double()
+    per = {}
+    for k in TOP_KS:
+        hit = rank <= k
+        per[f"ndcg_at_{k}"] = torch.where(hit, 1.0 / torch.log2(rank + 1), torch.zeros_like(rank))
+        per[f"recall_at_{k}"] = hit.double()
+    return per
+
+
+def test_dp_on_cpu_raises_strategy_error(data, tmp_path):
+    with pytest.raises(StrategyError, match=r"strategy='dp' needs one process that sees two or more CUDA GPUs"):
+        _trainer(data, tmp_path, strategy="dp")
+
+
+def test_ddp_without_launcher_raises_strategy_error(data, tmp_path):
+    with pytest.raises(StrategyError, match=r"strategy='ddp' expects to be launched by torchrun"):
+        _trainer(data, tmp_path, strategy="ddp")
+
+
+def test_data_shard_uses_global_rank_not_local_rank():
+    # Rank 3 of 4 on the second node has LOCAL_RANK 1; Merlin must shard by 3 of 4.
+    ddp = DistributedState("ddp", rank=3, local_rank=1, world_size=4, device=torch.device("cpu"), reason="t")
+    assert data_shard(ddp) == (3, 4)
+    single = DistributedState("single", 0, 0, 1, torch.device("cpu"), "t")
+    assert data_shard(single) == (None, None)
+
+
+def test_single_train_leaves_trained_unwrapped_weights_in_users_model(data, tmp_path):
+    model = make_model(data["schema"])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = _trainer(data, tmp_path, model=model, strategy="auto")
+    assert trainer.dist_state.strategy == "single"
+    trainer.train()
+    assert trainer.model is model and type(model).__name__ == "Model"
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed, "training did not change any weight of the model object passed in"
+
+
+@pytest.mark.parametrize("batch_size", [16, 33])
+def test_eval_metrics_are_exact_over_examples_not_mean_of_batch_means(data, tmp_path, batch_size):
+    model = make_model(data["schema"], seed=3)
+    # 100 sessions: batches 16 x 6 + 4, or 33 x 3 + 1 (a one-row batch, which T4R's RecallAt
+    # cannot take on its own).
+    trainer = _trainer(data, tmp_path, model=model, per_device_eval_batch_size=batch_size)
+    metrics = trainer.evaluate()
+
+    per = _direct_metrics(model, data["eval_sessions"])
+    differs = 0
+    for name, values in per.items():
+        exact = values.mean().item()
+        batch_means = [chunk.mean().item() for chunk in values.split(batch_size)]
+        mean_of_means = float(np.mean(batch_means))
+        assert metrics[f"eval_/next-item/{name}"] == pytest.approx(exact, abs=1e-6), name
+        differs += abs(mean_of_means - exact) > 1e-3
+    assert differs, "test data should make mean-of-batch-means differ from the exact mean"
+
+
+def test_eval_matches_transformers4rec_single_process(data, tmp_path):
+    # Same metric names and values as T4R where T4R is right (one process).
+    from transformers4rec.torch import Trainer as T4RTrainer
+
+    model = make_model(data["schema"], seed=4)
+    ours = _trainer(data, tmp_path, model=model).evaluate()
+    theirs = T4RTrainer(
+        model=model, args=make_args(str(tmp_path)), schema=data["schema"],
+        eval_dataset_or_path=data["eval"], compute_metrics=True,
+    ).evaluate()
+    names = [k for k in theirs if k.startswith("eval_/next-item/")]
+    assert names and set(names) <= set(ours)
+    for k in names:
+        assert ours[k] == pytest.approx(theirs[k], abs=1e-6), k
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(data, tmp_path_factory):
+    """Two ranks as two simulated *nodes* (LOCAL_RANK 0 on both, RANK 0 and 1), gloo."""
+    out = tmp_path_factory.mktemp("ddp_out")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    procs = []
+    for node in range(2):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
+            "--master_addr=127.0.0.1", f"--master_port={port}",
+            SCRIPT, "--train", *data["train"], "--eval", *data["eval"], "--out", str(out),
+        ]
+        log = open(out / f"launcher{node}.log", "w")
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    for proc, log in procs:
+        try:
+            proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            for p, _ in procs:
+                p.kill()
+            raise
+        finally:
+            log.close()
+    logs = "\n".join((out / f"launcher{n}.log").read_text()[-3000:] for n in range(2))
+    assert all(p.returncode == 0 for p, _ in procs), logs
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    weights = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return reports, weights
+
+
+def test_ddp_ranks_are_global_and_shards_disjoint_and_complete(ddp_run, data):
+    reports, _ = ddp_run
+    assert [r["strategy"] for r in reports] == ["ddp", "ddp"]
+    assert [(r["env"]["RANK"], r["env"]["LOCAL_RANK"]) for r in reports] == [("0", "0"), ("1", "0")]
+    for key, every in (("train_shard", "train_sessions"), ("eval_shard", "eval_sessions")):
+        a, b = ({tuple(s) for s in r[key]} for r in reports)
+        assert not a & b, f"{key}: ranks share sessions"
+        assert a | b == {tuple(s) for s in data[every]}, f"{key}: ranks do not cover the data"
+    assert sorted(len(r["eval_shard"]) for r in reports) == [33, 67]
+
+
+def test_ddp_weights_identical_and_in_users_model(ddp_run, data):
+    reports, (w0, w1) = ddp_run
+    assert w0.keys() == w1.keys()
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    init = make_model(data["schema"]).state_dict()
+    assert any(not torch.equal(w0[k], init[k]) for k in w0), "DDP training changed no weight"
+    assert all(r["model_is_users"] and r["model_type"] == "Model" for r in reports)
+
+
+def test_ddp_eval_metrics_equal_on_ranks_and_to_single_process(ddp_run, data, tmp_path):
+    reports, (w0, _) = ddp_run
+    m0, m1 = reports[0]["metrics"], reports[1]["metrics"]
+    assert m0 == m1  # bitwise: one all_reduce of the same sums
+    assert {f"eval_/next-item/{m}_{k}" for m in ("ndcg_at", "recall_at") for k in TOP_KS} <= set(m0)
+    # Predictions from both ranks are gathered: all 100 eval sessions, top-10 ids and scores.
+    assert all(r["pred_shapes"] == [[100, 10], [100, 10]] for r in reports)
+
+    model = make_model(data["schema"])
+    model.load_state_dict(w0)
+    single = _trainer(data, tmp_path, model=model).evaluate()
+    for k, v in m0.items():
+        assert not math.isnan(v)
+        assert single[k] == pytest.approx(v, abs=1e-6), k
