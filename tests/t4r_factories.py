@@ -93,3 +93,43 @@ def eager_scores(model, df: pd.DataFrame, seq_len: int = SEQ_LEN) -> np.ndarray:
     """What ``model(batch)`` gives in-process for these sessions."""
     with torch.inference_mode():
         return model(reference_inputs(df, seq_len), training=False, testing=False).numpy()
+
+
+def raw_sessions(n: int, rng: np.random.Generator, max_len=SEQ_LEN * 2) -> pd.DataFrame:
+    """Sessions in the shop's own ids: sparse, large item ids and string-free categories."""
+    df = random_sessions(n, rng, max_len=max_len, items=400)
+    df["item_id-list"] = df["item_id-list"].map(lambda ids: ids * 7919 + 100_000)
+    df["category-list"] = df["category-list"].map(lambda ids: ids * 13 + 500)
+    return df
+
+
+def fit_session_workflow(directory, rng: np.random.Generator, n: int = 300):
+    """Fit Categorify on raw session ids; returns (workflow, model over its output, raw data)."""
+    import nvtabular as nvt
+    from merlin.io import Dataset
+
+    raw = raw_sessions(n, rng)
+    items = (["item_id-list"] >> nvt.ops.Categorify()
+             >> nvt.ops.AddTags([Tags.ITEM_ID, Tags.ITEM, Tags.CATEGORICAL, Tags.LIST]))
+    categories = (["category-list"] >> nvt.ops.Categorify()
+                  >> nvt.ops.AddTags([Tags.CATEGORICAL, Tags.LIST]))
+    prices = ["price-list"] >> nvt.ops.AddTags([Tags.CONTINUOUS, Tags.LIST])
+    workflow = nvt.Workflow(items + categories + prices)
+    workflow.fit(Dataset(raw))
+    workflow.save(str(directory))
+    schema = workflow.output_schema
+    for name in schema.column_names:
+        schema[name] = schema[name].with_properties({"value_count": {"min": 1, "max": SEQ_LEN}})
+    return workflow, next_item_model("xlnet-causal", schema=schema, seed=5), raw
+
+
+def workflow_ensemble(workflow, model, top_k=None):
+    """raw sessions >> TransformWorkflow(workflow) >> PredictT4RPyTorch(model)."""
+    from merlin.systems.dag import Ensemble
+    from merlin.systems.dag.ops.workflow import TransformWorkflow
+
+    from merlin_t4r_ops import PredictT4RPyTorch
+
+    pipeline = (workflow.input_schema.column_names >> TransformWorkflow(workflow)
+                >> PredictT4RPyTorch(model, top_k=top_k))
+    return Ensemble(pipeline, workflow.input_schema)

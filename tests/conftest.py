@@ -1,0 +1,69 @@
+"""Shared fixtures: one real tritonserver over a repository of small exported ensembles.
+
+Starting tritonserver with a stub per model costs tens of seconds on two cores, so the
+serving tests share one server for the whole session.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import t4r_factories as factories  # noqa: E402
+
+SERVED = {
+    "next_item_full": lambda: factories.next_item_model("xlnet-causal", seed=1),
+    "next_item_topk": lambda: factories.next_item_model("gpt2", seed=2),
+    "next_item_masked": lambda: factories.next_item_model("bert", seed=3),
+    "binary": lambda: factories.binary_model(seed=4),
+}
+TOP_K = 10
+
+
+@pytest.fixture(scope="session")
+def served_models():
+    return {name: build() for name, build in SERVED.items()}
+
+
+@pytest.fixture(scope="session")
+def session_workflow(tmp_path_factory):
+    """A fitted NVTabular workflow that Categorifies raw item and category ids."""
+    return factories.fit_session_workflow(
+        tmp_path_factory.mktemp("workflow"), np.random.default_rng(7)
+    )
+
+
+@pytest.fixture(scope="session")
+def model_repository(tmp_path_factory, served_models, session_workflow):
+    """Each model exported as its own ensemble, plus one with a workflow in front."""
+    from merlin.systems.dag import Ensemble
+
+    from merlin_t4r_ops import PredictT4RPyTorch
+
+    path = tmp_path_factory.mktemp("model_repository")
+    for name, model in served_models.items():
+        op = PredictT4RPyTorch(model, top_k=TOP_K if name == "next_item_topk" else None)
+        Ensemble(model.input_schema.column_names >> op, model.input_schema).export(
+            str(path), name=name
+        )
+    workflow, workflow_model, _ = session_workflow
+    factories.workflow_ensemble(workflow, workflow_model, top_k=TOP_K).export(
+        str(path), name="session_topk"
+    )
+    return path
+
+
+@pytest.fixture(scope="session")
+def triton(model_repository):
+    from merlin_t4r_ops.serving import triton_server
+
+    with triton_server(model_repository) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def client(triton):
+    return triton.client()
