@@ -6,9 +6,12 @@ through Hugging Face, but
 * gives the Merlin dataloader the *local* rank as its global rank, so two nodes
   read the same shards;
 * evaluates with the unwrapped model, i.e. on one GPU under DataParallel;
-* under DDP gathers losses and labels but not predictions, does one collective
-  per eval batch (a hang when ranks have different batch counts) and reports
-  each rank's own ranking metrics and a loss that is a mean of per-batch means.
+* under DDP gathers losses and labels but not predictions, and does collectives
+  per eval batch (a hang or shape error when ranks' batches differ);
+* reports a loss that is a mean of per-batch means (each batch weighted by the
+  nominal batch size, then truncated to the local example count), and ranking
+  metrics that rely on torchmetrics' implicit all-gather of every per-example
+  row in ``compute()``.
 
 :class:`Trainer` keeps T4R's training path and replaces only the dataloader
 construction, the evaluation loop and the saving/logging guards.
@@ -103,7 +106,15 @@ class Trainer(T4RTrainer):
     rank order.
     """
 
-    def __init__(self, model, args: T4RecTrainingArguments, *, strategy: str = "auto", callbacks=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        args: T4RecTrainingArguments,
+        *,
+        strategy: str = "auto",
+        callbacks=None,
+        **kwargs,
+    ):
         if not isinstance(args, T4RecTrainingArguments):
             raise StrategyError(f"args must be a T4RecTrainingArguments, got {type(args).__name__}")
         self.dist_state = resolve_strategy(strategy)
@@ -139,8 +150,9 @@ class Trainer(T4RTrainer):
         """Train loader sharded by global rank; user-given loaders are returned as is."""
         if self.train_dataloader is not None:
             return self.train_dataloader
+        # train_batch_size is per_device_train_batch_size x GPUs under DataParallel (HF's meaning).
         loader = self._merlin_loader(
-            self.train_dataset_or_path, self.args.per_device_train_batch_size, shuffle=True
+            self.train_dataset_or_path, self.args.train_batch_size, shuffle=True
         )
         self._check_equal_steps(loader)
         return loader
@@ -150,14 +162,14 @@ class Trainer(T4RTrainer):
         if self.eval_dataloader is not None:
             return self.eval_dataloader
         path = eval_dataset if isinstance(eval_dataset, (str, list)) else self.eval_dataset_or_path
-        return self._merlin_loader(path, self.args.per_device_eval_batch_size, shuffle=False)
+        return self._merlin_loader(path, self.args.eval_batch_size, shuffle=False)
 
     def get_test_dataloader(self, test_dataset=None):
         """Test loader sharded by global rank."""
         if self.test_dataloader is not None:
             return self.test_dataloader
         path = test_dataset if test_dataset is not None else self.test_dataset_or_path
-        return self._merlin_loader(path, self.args.per_device_eval_batch_size, shuffle=False)
+        return self._merlin_loader(path, self.args.eval_batch_size, shuffle=False)
 
     def _check_equal_steps(self, loader) -> None:
         # Every optimizer step is a collective: a rank with more batches would wait forever.
@@ -200,7 +212,8 @@ class Trainer(T4RTrainer):
 
         acc = _OneRowSafe(MetricAccumulator(core, self.dist_state))
         top_k = self.args.predict_top_k or getattr(core, "top_k", None)
-        rank_preds = bool(top_k) and any(isinstance(t, NextItemPredictionTask) for t in core.prediction_tasks)
+        next_item = any(isinstance(t, NextItemPredictionTask) for t in core.prediction_tasks)
+        rank_preds = bool(top_k) and next_item
 
         preds_all, labels_all, n_examples = [], [], 0
         max_steps = self.args.eval_steps_on_train_set if metric_key_prefix == "train" else 0
@@ -220,7 +233,9 @@ class Trainer(T4RTrainer):
                 preds_all.append(_to_cpu(preds))
                 if labels is not None:
                     labels_all.append(_to_cpu(labels))
-            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
+            self.control = self.callback_handler.on_prediction_step(
+                self.args, self.state, self.control
+            )
 
         metrics = {}
         if testing and not prediction_loss_only:
@@ -303,7 +318,8 @@ class _OneRowSafe:
 def _merge_outputs(a, b):
     # Weighted like MetricAccumulator: by the largest label count of any task.
     na, nb = _num_rows(a["labels"], max), _num_rows(b["labels"], max)
-    loss = (a["loss"].detach().double().mean() * na + b["loss"].detach().double().mean() * nb) / (na + nb)
+    la, lb = (x["loss"].detach().double().mean() for x in (a, b))
+    loss = (la * na + lb * nb) / (na + nb)
     return {
         "loss": loss,
         "predictions": _nested_cat([a["predictions"], b["predictions"]]),

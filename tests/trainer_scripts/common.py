@@ -77,10 +77,14 @@ def make_model(schema, arch="xlnet", d_model=16, seed=0):
         embedding_dim_default=d_model,
     )
     if arch == "gpt2":
-        config = tr.GPT2Config.build(d_model=d_model, n_head=2, n_layer=1, total_seq_length=MAX_LEN)
+        build = tr.GPT2Config.build
     else:
-        config = tr.XLNetConfig.build(d_model=d_model, n_head=2, n_layer=1, total_seq_length=MAX_LEN)
-    metrics = [NDCGAt(top_ks=TOP_KS, labels_onehot=True), RecallAt(top_ks=TOP_KS, labels_onehot=True)]
+        build = tr.XLNetConfig.build
+    config = build(d_model=d_model, n_head=2, n_layer=1, total_seq_length=MAX_LEN)
+    metrics = [
+        NDCGAt(top_ks=TOP_KS, labels_onehot=True),
+        RecallAt(top_ks=TOP_KS, labels_onehot=True),
+    ]
     task = tr.NextItemPredictionTask(weight_tying=True, metrics=metrics)
     return config.to_torch_model(inputs, task)
 
