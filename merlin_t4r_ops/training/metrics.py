@@ -135,10 +135,15 @@ class MetricAccumulator:
 
         preds = preds.reshape(-1, preds.size(-1))
         onehot = tranform_label_to_onehot(labels, preds.size(-1)).to(preds.device)
+        n = preds.shape[0]
+        if n == 1:
+            # T4R's RecallAt squeezes its row index to 0-dim and fails on a one-row
+            # batch; a duplicated row gives the same per-example value.
+            preds, onehot = preds.repeat(2, 1), onehot.repeat(2, 1)
         for metric in self._ranking[name]:
-            per_example = metric._metric(list(metric.top_ks), preds, onehot)
+            per_example = metric._metric(list(metric.top_ks), preds, onehot)[:n]
             self._add(f"{name}/{type(metric).__name__}", per_example.sum(0))
-        self._add(f"{name}/n", torch.tensor(float(preds.shape[0])))
+        self._add(f"{name}/n", torch.tensor(float(n)))
 
     def _update_binary(self, name, probs, labels):
         hit = probs.reshape(-1) > 0.5
