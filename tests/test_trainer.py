@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_scripts"))
-from common import (  # noqa: E402
+from trainer_common import (  # noqa: E402
     ITEM_COL,
     MAX_LEN,
     TOP_KS,
@@ -152,14 +152,14 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ddp_run(data, tmp_path_factory):
-    """Two ranks as two simulated *nodes* (LOCAL_RANK 0 on both, RANK 0 and 1), gloo."""
-    out = tmp_path_factory.mktemp("ddp_out")
+def _launch_two_nodes(train, evals, out, timeout=240):
+    """Two ranks as two simulated *nodes* (LOCAL_RANK 0 on both, RANK 0 and 1), gloo.
+
+    Returns the launchers' return codes and the tail of their logs.
+    """
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     procs = []
     for node in range(2):
@@ -167,24 +167,41 @@ def ddp_run(data, tmp_path_factory):
             sys.executable, "-m", "torch.distributed.run",
             "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
             "--master_addr=127.0.0.1", f"--master_port={port}",
-            SCRIPT, "--train", *data["train"], "--eval", *data["eval"], "--out", str(out),
+            SCRIPT, "--train", *train, "--eval", *evals, "--out", str(out),
         ]
         log = open(out / f"launcher{node}.log", "w")
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    for proc, log in procs:
-        try:
-            proc.wait(timeout=240)
-        except subprocess.TimeoutExpired:
-            for p, _ in procs:
-                p.kill()
-            raise
-        finally:
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=timeout)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
             log.close()
-    logs = "\n".join((out / f"launcher{n}.log").read_text()[-3000:] for n in range(2))
-    assert all(p.returncode == 0 for p, _ in procs), logs
+    logs = "\n".join((out / f"launcher{n}.log").read_text()[-4000:] for n in range(2))
+    return [p.returncode for p, _ in procs], logs
+
+
+@pytest.fixture(scope="module")
+def ddp_run(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp_out")
+    codes, logs = _launch_two_nodes(data["train"], data["eval"], out)
+    assert codes == [0, 0], logs
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     weights = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     return reports, weights
+
+
+def test_ddp_unequal_train_shards_raise_instead_of_hanging(tmp_path):
+    # 3 partitions over 2 ranks: 2 partitions (171 rows) vs 1 (85 rows) -> 11 vs 6 batches.
+    train, _ = write_sessions(str(tmp_path / "train"), 256, 3, seed=0)
+    evals, _ = write_sessions(str(tmp_path / "eval"), 20, 2, seed=1)
+    codes, logs = _launch_two_nodes(train, evals, tmp_path)
+    assert codes != [0, 0]
+    assert "StrategyError: DDP needs the same number of train batches on every rank" in logs, logs
+    assert "found [11, 6]" in logs, logs
 
 
 def test_ddp_ranks_are_global_and_shards_disjoint_and_complete(ddp_run, data):

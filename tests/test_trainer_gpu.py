@@ -7,7 +7,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_scripts"))
-from common import make_args, make_model, make_schema, write_sessions  # noqa: E402
+from trainer_common import make_args, make_model, make_schema, write_sessions  # noqa: E402
 
 from merlin_t4r_ops.training import Trainer  # noqa: E402
 

@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ITEM_COL, make_args, make_model, make_schema  # noqa: E402
+from trainer_common import ITEM_COL, make_args, make_model, make_schema  # noqa: E402
 
 from merlin_t4r_ops.training import Trainer  # noqa: E402
 
