@@ -210,7 +210,7 @@ class Trainer(T4RTrainer):
         model.eval()
         self.callback_handler.eval_dataloader = dataloader
 
-        acc = _OneRowSafe(MetricAccumulator(core, self.dist_state))
+        acc = MetricAccumulator(core, self.dist_state)
         top_k = self.args.predict_top_k or getattr(core, "top_k", None)
         next_item = any(isinstance(t, NextItemPredictionTask) for t in core.prediction_tasks)
         rank_preds = bool(top_k) and next_item
@@ -284,56 +284,6 @@ class Trainer(T4RTrainer):
 
 
 # ---- helpers ----------------------------------------------------------------------------------
-
-
-class _OneRowSafe:
-    """Feed a :class:`MetricAccumulator` batches of at least two label rows.
-
-    T4R's ``RecallAt._metric`` squeezes its row index to 0-d for a one-row
-    batch and raises IndexError; a rank's last eval batch often has one row.
-    Such a batch is merged with its neighbour (losses weighted by label count),
-    which leaves the exact sums unchanged.
-    """
-
-    def __init__(self, acc):
-        self.acc = acc
-        self.pending = None
-
-    def update(self, output):
-        if self.pending is None:
-            self.pending = output
-        elif _num_rows(self.pending["labels"]) == 1 or _num_rows(output["labels"]) == 1:
-            self.pending = _merge_outputs(self.pending, output)
-        else:
-            self.acc.update(self.pending)
-            self.pending = output
-
-    def compute(self):
-        if self.pending is not None:
-            self.acc.update(self.pending)
-            self.pending = None
-        return self.acc.compute()
-
-
-def _merge_outputs(a, b):
-    # Weighted like MetricAccumulator: by the largest label count of any task.
-    na, nb = _num_rows(a["labels"], max), _num_rows(b["labels"], max)
-    la, lb = (x["loss"].detach().double().mean() for x in (a, b))
-    loss = (la * na + lb * nb) / (na + nb)
-    return {
-        "loss": loss,
-        "predictions": _nested_cat([a["predictions"], b["predictions"]]),
-        "labels": _nested_cat([a["labels"], b["labels"]]),
-    }
-
-
-def _num_rows(x, pick=min) -> int:
-    if isinstance(x, dict):
-        return pick(_num_rows(v, pick) for v in x.values())
-    if isinstance(x, (list, tuple)):
-        return _num_rows(x[0], pick)
-    return int(x.shape[0])
-
 
 
 def _align_args(args: T4RecTrainingArguments, state: DistributedState) -> None:
