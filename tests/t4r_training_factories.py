@@ -20,7 +20,7 @@ N_CATEGORIES = 8
 MAX_LEN = 10
 
 
-def session_schema():
+def session_schema(n_items=N_ITEMS):
     """Merlin schema of the synthetic sessions (item-id list, category list, two targets)."""
     list_props = {"value_count": {"min": 2, "max": MAX_LEN}}
     return Schema(
@@ -32,7 +32,7 @@ def session_schema():
                 is_list=True,
                 is_ragged=True,
                 properties={
-                    "domain": {"min": 0, "max": N_ITEMS - 1, "name": "item_id"},
+                    "domain": {"min": 0, "max": n_items - 1, "name": "item_id"},
                     **list_props,
                 },
             ),
@@ -53,20 +53,20 @@ def session_schema():
     )
 
 
-def session_frame(n_rows, seed=0):
+def session_frame(n_rows, seed=0, n_items=N_ITEMS):
     """``n_rows`` random sessions; the click target depends on the items so it is learnable."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(2, MAX_LEN + 1, size=n_rows)
-    items = [rng.integers(1, N_ITEMS, size=n).tolist() for n in lengths]
+    items = [rng.integers(1, n_items, size=n).tolist() for n in lengths]
     cats = [[i % (N_CATEGORIES - 1) + 1 for i in seq] for seq in items]
     click = np.array([float(seq[-1] % 2 == 0) for seq in items], dtype=np.float32)
-    rating = np.array([np.mean(seq) / N_ITEMS for seq in items], dtype=np.float32)
+    rating = np.array([np.mean(seq) / n_items for seq in items], dtype=np.float32)
     return pd.DataFrame(
         {"item_id-list": items, "category-list": cats, "click": click, "rating": rating}
     )
 
 
-def write_sessions(path, n_rows, seed=0, n_files=2, sizes=None):
+def write_sessions(path, n_rows, seed=0, n_files=2, sizes=None, n_items=N_ITEMS):
     """Write ``n_rows`` sessions as ``n_files`` parquet files plus ``schema.pbtxt`` under ``path``.
 
     ``sizes`` (rows per file, summing to ``n_rows``) makes files of unequal size,
@@ -78,7 +78,7 @@ def write_sessions(path, n_rows, seed=0, n_files=2, sizes=None):
         ``path``
     """
     os.makedirs(path, exist_ok=True)
-    df = session_frame(n_rows, seed)
+    df = session_frame(n_rows, seed, n_items)
     if sizes is not None:
         assert sum(sizes) == n_rows, (sizes, n_rows)
         parts = np.split(np.arange(n_rows), np.cumsum(sizes)[:-1])
@@ -88,7 +88,7 @@ def write_sessions(path, n_rows, seed=0, n_files=2, sizes=None):
         df.iloc[part].reset_index(drop=True).to_parquet(
             os.path.join(path, f"part_{i}.parquet"), row_group_size=max(1, len(part) // 2)
         )
-    TensorflowMetadata.from_merlin_schema(session_schema()).to_proto_text_file(path)
+    TensorflowMetadata.from_merlin_schema(session_schema(n_items)).to_proto_text_file(path)
     return path
 
 
