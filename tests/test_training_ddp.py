@@ -139,12 +139,18 @@ def test_ddp_shards_are_disjoint_and_cover_the_dataset(data):
     assert shards[0] + shards[1] == rows(data["uneven"])
 
 
-def test_ddp_unequal_shards_do_not_hang_and_checkpoint_once(data):
+@pytest.fixture(scope="module")
+def uneven_run(data):
     ckpt = data["root"] / "ckpt-uneven"
     ranks, _ = torchrun(
         data["root"] / "out-uneven", "--task", "binary", "--train", data["uneven"],
         "--epochs", 2, "--batch-size", 16, "--shuffle", "--checkpoint-dir", ckpt, timeout=180,
     )
+    return ranks, ckpt
+
+
+def test_ddp_unequal_shards_do_not_hang_and_checkpoint_once(uneven_run):
+    ranks, ckpt = uneven_run
     (info0, w0), (info1, w1) = ranks
     assert_same_weights(w0, w1)
     assert info0["history"][-1]["train_samples"] == 108
@@ -152,3 +158,18 @@ def test_ddp_unequal_shards_do_not_hang_and_checkpoint_once(data):
     assert saved["epoch"] == 2 and saved["world_size"] == 2 and len(saved["rng"]) == 2
     assert_same_weights(saved["model"], w0)
     assert os.listdir(ckpt) == ["last.pt"]  # no temp files left behind
+
+
+def test_ddp_resume_matches_uninterrupted_ddp_run(data, uneven_run):
+    ranks, _ = uneven_run
+    full = ranks[0][1]
+    ckpt = data["root"] / "ckpt-resume"
+    common = ["--task", "binary", "--train", data["uneven"], "--batch-size", 16, "--shuffle",
+              "--checkpoint-dir", ckpt]
+    torchrun(data["root"] / "out-first", *common, "--epochs", 1)
+    ranks, _ = torchrun(data["root"] / "out-resumed", *common, "--epochs", 2, "--resume",
+                        "--model-seed", 9)
+    (info0, w0), (_, w1) = ranks
+    assert_same_weights(w0, w1)
+    assert_same_weights(w0, full, rtol=1e-5, atol=1e-6)
+    assert [h["epoch"] for h in info0["history"]] == [1, 2]

@@ -139,7 +139,6 @@ def to_model_inputs(
         )
 
     columns = {}
-    fixed_lengths = None
     for spec in specs:
         column = table[spec.name]
         values = np.asarray(column.values)
@@ -153,11 +152,6 @@ def to_model_inputs(
                     f"or a [rows, length] array), got shape {values.shape}"
                 )
             columns[spec.name] = (values, None)
-            if spec.is_categorical:
-                row_lengths = _padded_lengths(values)
-                fixed_lengths = (
-                    row_lengths if fixed_lengths is None else np.maximum(fixed_lengths, row_lengths)
-                )
         else:
             columns[spec.name] = (values.reshape(len(values), -1)[:, 0], None)
 
@@ -170,6 +164,16 @@ def to_model_inputs(
         raise InvalidRequestError(
             f"the request has 0 rows in {sorted(rows)}; send at least one session"
         )
+
+    # Fixed-width lists are right-padded with id 0; their categorical columns tell how long
+    # each session really is, and every list column of the session shares that length.
+    fixed_lengths = None
+    for spec in specs:
+        values, lengths = columns[spec.name]
+        if spec.is_list and spec.is_categorical and lengths is None:
+            row_lengths = _padded_lengths(values)
+            fixed_lengths = (row_lengths if fixed_lengths is None
+                             else np.maximum(fixed_lengths, row_lengths))
 
     tensors = {}
     for spec in specs:

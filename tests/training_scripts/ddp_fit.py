@@ -27,10 +27,12 @@ def main():
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--shuffle", action="store_true")
     parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--model-seed", type=int, default=0)
     args = parser.parse_args()
 
     state = resolve_strategy("auto")
-    model = factories.build_model(args.task, seed=0)
+    model = factories.build_model(args.task, seed=args.model_seed)
     history = fit(
         model,
         args.train,
@@ -42,6 +44,7 @@ def main():
         seed=0,
         progress=False,
         checkpoint_dir=args.checkpoint_dir,
+        resume=args.resume,
     )
     shard = [
         [int(i) for i in row if i != 0]

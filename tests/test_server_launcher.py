@@ -1,0 +1,101 @@
+"""The launcher binds loopback, picks free ports, and leaves no process behind."""
+
+import ipaddress
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+from merlin.systems.dag import Ensemble
+
+import t4r_factories as factories
+from merlin_t4r_ops import PredictT4RPyTorch, ServerStartError
+from merlin_t4r_ops.serving import triton_server
+from merlin_t4r_ops.serving.client import infer_dataframe
+from merlin_t4r_ops.serving.server import free_port
+
+
+@pytest.fixture(scope="module")
+def small_repository(tmp_path_factory):
+    model = factories.binary_model(seed=31)
+    path = tmp_path_factory.mktemp("small_repo")
+    Ensemble(model.input_schema.column_names >> PredictT4RPyTorch(model),
+             model.input_schema).export(str(path))
+    return model, path
+
+
+def _listening_addresses(pid):
+    addresses = set()
+    for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        for conn in proc.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN:
+                address = ipaddress.ip_address(conn.laddr.ip)
+                # gRPC listens on an IPv6 socket with the IPv4-mapped loopback address.
+                addresses.add(str(getattr(address, "ipv4_mapped", None) or address))
+    return addresses
+
+
+def test_serves_on_loopback_and_leaves_no_orphans(small_repository):
+    model, path = small_repository
+    with triton_server(path) as server:
+        assert server.grpc_url.startswith("127.0.0.1:")
+        assert server.http_url.startswith("127.0.0.1:")
+        assert _listening_addresses(server.process.pid) == {"127.0.0.1"}
+        stubs = psutil.Process(server.process.pid).children(recursive=True)
+        assert stubs, "the Python backend should run the ensemble in a stub process"
+        df = factories.random_sessions(5, np.random.default_rng(0))
+        got = infer_dataframe(server.client(), df)["click/binary_classification_task"]
+        np.testing.assert_allclose(got, factories.eager_scores(model, df).reshape(-1),
+                                   rtol=1e-5, atol=1e-6)
+        pids = [server.process.pid, *[p.pid for p in stubs]]
+    time.sleep(0.5)
+    assert [pid for pid in pids if psutil.pid_exists(pid)
+            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE] == []
+
+
+def test_missing_repository_is_refused():
+    with pytest.raises(ServerStartError, match=r"model_repository '/nonexistent/repo' is not a"):
+        with triton_server("/nonexistent/repo"):
+            pass
+
+
+def test_tritonserver_on_path_works_with_merlins_own_launcher(small_repository):
+    from merlin.systems.triton.utils import run_triton_server
+
+    model, path = small_repository
+    assert os.path.dirname(shutil.which("tritonserver")) == os.path.dirname(sys.executable)
+    with run_triton_server(str(path), grpc_port=free_port()) as client:
+        df = factories.random_sessions(3, np.random.default_rng(1))
+        got = infer_dataframe(client, df)["click/binary_classification_task"]
+        np.testing.assert_allclose(got, factories.eager_scores(model, df).reshape(-1),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_cli_serves_in_the_foreground_until_interrupted(small_repository):
+    import tritonclient.grpc as grpcclient
+
+    _, path = small_repository
+    port, http = free_port(), free_port()
+    process = subprocess.Popen(
+        [shutil.which("merlin-t4r-serve"), str(path), "--grpc-port", str(port),
+         "--http-port", str(http)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        ready = False
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as client:
+            while time.monotonic() < deadline and process.poll() is None and not ready:
+                try:
+                    ready = client.is_server_ready()
+                except Exception:  # not listening yet
+                    time.sleep(0.3)
+        assert ready, process.stdout.read().decode(errors="replace")[-3000:]
+    finally:
+        os.killpg(process.pid, 2)
+        process.wait(60)
+    assert process.returncode == 0

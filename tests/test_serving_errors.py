@@ -1,0 +1,112 @@
+"""Bad requests get an error that names the input and the problem; the server keeps serving."""
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+import t4r_factories as factories
+from merlin_t4r_ops.serving.client import dataframe_arrays, infer_dataframe
+
+MODEL = "next_item_full"
+
+
+def _good_arrays(n=4, seed=0):
+    df = factories.random_sessions(n, np.random.default_rng(seed))
+    dtypes = {"item_id-list__values": np.int64, "item_id-list__offsets": np.int32,
+              "category-list__values": np.int64, "category-list__offsets": np.int32,
+              "price-list__values": np.float32, "price-list__offsets": np.int32}
+    return df, dataframe_arrays(df, dtypes)
+
+
+def _infer(client, arrays):
+    inputs = []
+    for name, array in arrays.items():
+        item = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        item.set_data_from_numpy(array)
+        inputs.append(item)
+    return client.infer(MODEL, inputs)
+
+
+def _assert_still_serving(client, served_models):
+    df = factories.random_sessions(3, np.random.default_rng(99))
+    got = np.stack(infer_dataframe(client, df, model_name=MODEL)["next-item"])
+    np.testing.assert_allclose(got, factories.eager_scores(served_models[MODEL], df),
+                               rtol=1e-5, atol=1e-6)
+
+
+def _drop(arrays, name):
+    return {k: v for k, v in arrays.items() if k != name}
+
+
+def _replace(arrays, name, value):
+    return {**arrays, name: value}
+
+
+def _ids_out_of_range(arrays):
+    values = arrays["item_id-list__values"].copy()
+    values[-1] = factories.ITEMS + 5
+    return _replace(arrays, "item_id-list__values", values)
+
+
+def _negative_ids(arrays):
+    values = arrays["category-list__values"].copy()
+    values[0] = -3
+    return _replace(arrays, "category-list__values", values)
+
+
+def _decreasing_offsets(arrays):
+    offsets = arrays["price-list__offsets"].copy()
+    offsets[1], offsets[2] = offsets[2], offsets[1]
+    return _replace(arrays, "price-list__offsets", offsets)
+
+
+def _short_offsets(arrays):
+    offsets = arrays["item_id-list__offsets"].copy()
+    offsets[-1] -= 1
+    return _replace(arrays, "item_id-list__offsets", offsets)
+
+
+def _empty_batch(arrays):
+    return {name: (np.zeros(1, dtype=a.dtype) if name.endswith("__offsets")
+                   else np.zeros(0, dtype=a.dtype)) for name, a in arrays.items()}
+
+
+BAD_REQUESTS = {
+    "missing input": (lambda a: _drop(a, "price-list__offsets"), r"price-list__offsets"),
+    "wrong dtype": (
+        lambda a: _replace(a, "item_id-list__values",
+                           a["item_id-list__values"].astype(np.float32)),
+        r"item_id-list__values.*(FP32|TYPE_INT64|INT64)",
+    ),
+    "empty batch": (_empty_batch, r"0 rows"),
+    "ids beyond the embedding table": (
+        _ids_out_of_range, rf"'item_id-list': ids must be < {factories.ITEMS}.*got {factories.ITEMS + 5}"
+    ),
+    "negative ids": (_negative_ids, r"'category-list': ids must be >= 0, got -3"),
+    # Merlin's executor builds its TensorTable, and checks offsets, before any operator
+    # runs; its messages do not name the input (merlin-core 23.8, not ours to change).
+    # Operator-level checks of the same faults are pinned in test_ops_unit.py.
+    "decreasing offsets": (_decreasing_offsets, r"Offsets must be in increasing order"),
+    "offsets that miss values": (
+        _short_offsets, r"The last offset must match the length of the values"
+    ),
+    "extra input": (
+        lambda a: _replace(a, "not_a_feature", np.zeros(4, dtype=np.float32)), r"not_a_feature"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_request_is_named_and_the_next_one_succeeds(client, served_models, case):
+    corrupt, message = BAD_REQUESTS[case]
+    _, arrays = _good_arrays()
+    with pytest.raises(InferenceServerException, match=message):
+        _infer(client, corrupt(arrays))
+    _assert_still_serving(client, served_models)
+
+
+def test_client_helper_names_a_missing_column(client):
+    df, _ = _good_arrays()
+    with pytest.raises(ValueError, match=r"column 'price-list' is missing"):
+        infer_dataframe(client, df.drop(columns=["price-list"]), model_name=MODEL)
