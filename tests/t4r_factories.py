@@ -109,9 +109,10 @@ def fit_session_workflow(directory, rng: np.random.Generator, n: int = 300):
     from merlin.io import Dataset
 
     raw = raw_sessions(n, rng)
-    items = (["item_id-list"] >> nvt.ops.Categorify()
+    categorify = dict(out_path=str(directory))  # not ./categories in the working directory
+    items = (["item_id-list"] >> nvt.ops.Categorify(**categorify)
              >> nvt.ops.AddTags([Tags.ITEM_ID, Tags.ITEM, Tags.CATEGORICAL, Tags.LIST]))
-    categories = (["category-list"] >> nvt.ops.Categorify()
+    categories = (["category-list"] >> nvt.ops.Categorify(**categorify)
                   >> nvt.ops.AddTags([Tags.CATEGORICAL, Tags.LIST]))
     prices = ["price-list"] >> nvt.ops.AddTags([Tags.CONTINUOUS, Tags.LIST])
     workflow = nvt.Workflow(items + categories + prices)
