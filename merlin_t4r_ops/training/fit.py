@@ -203,6 +203,12 @@ def fit(
         per-rank Merlin loaders from the model's input schema, targets and
         ``max_sequence_length``, sharded by global rank. Anything else is a
         ready dataloader used as is (re-iterable; shard it yourself under DDP).
+        Under DDP, shards of unequal size are evened out like
+        ``DistributedSampler`` pads: a rank with fewer batches repeats batches
+        from the start of its shard until it has as many as the largest rank,
+        so all ranks take the same optimizer steps (weights and optimizer
+        states stay identical). Loaders without ``len()`` fall back to DDP's
+        ``join`` context manager, which cannot hang but lets optimizer states drift.
     optimizer : torch.optim.Optimizer, optional
         Over ``model.parameters()``; default ``Adam(lr=lr)``.
     epochs : int
@@ -250,7 +256,8 @@ def fit(
     -------
     list of dict
         One dict per epoch with ``epoch``, ``train_loss`` (mean batch loss over
-        all ranks), ``train_samples``, ``train_seconds``, ``lr`` and
+        all ranks), ``train_samples`` (rows processed on all ranks, repeats
+        included), ``train_seconds`` (slowest rank), ``lr`` and
         ``eval_<metric>`` entries when ``eval_data`` is given.
     """
     state = _state(strategy)
@@ -356,10 +363,48 @@ def _restore(ckpt, model, optimizer, lr_scheduler, scaler, state):
 
 
 def _join(wrapped, state):
-    # Ranks with fewer batches shadow the others' all-reduces instead of hanging.
+    # Safety net for loaders without len() (or an empty shard): ranks that run
+    # out shadow the others' all-reduces instead of hanging.
     if state.is_distributed:
         return wrapped.join()
     return contextlib.nullcontext()
+
+
+def _step_count(loader, state):
+    """``(local, target)`` batch counts; target is the largest rank's count under DDP."""
+    try:
+        n_local = len(loader)
+    except TypeError:
+        return None, None
+    if not state.is_distributed:
+        return n_local, n_local
+    count = torch.tensor([n_local], dtype=torch.int64, device=state.device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return n_local, int(count.item())
+
+
+def _even_batches(loader, n_local, n_steps):
+    """Yield this rank's batches, repeating from its start up to ``n_steps``.
+
+    Like ``DistributedSampler`` padding: every rank takes the same number of
+    optimizer steps, so replicas *and optimizer states* stay identical. DDP's
+    ``join`` alone keeps weights equal only by a final broadcast, while the
+    ranks that joined early skip optimizer steps and their Adam moments drift
+    (a resumed run would then differ from an uninterrupted one).
+    """
+    if n_steps is None or n_steps <= n_local:
+        yield from loader
+        return
+    produced = 0
+    while produced < n_steps:
+        before = produced
+        for batch in loader:
+            yield batch
+            produced += 1
+            if produced == n_steps:
+                return
+        if produced == before:
+            return  # empty shard: join() covers the missing steps
 
 
 def _train_epoch(
@@ -372,13 +417,10 @@ def _train_epoch(
     loss_sum = torch.zeros(2, dtype=torch.float64)
     samples = 0
     start = time.perf_counter()
-    try:
-        total = len(loader)
-    except TypeError:
-        total = None
+    n_local, n_steps = _step_count(loader, state)
     bar = tqdm(
-        loader,
-        total=total,
+        _even_batches(loader, n_local, n_steps),
+        total=n_steps,
         desc=f"epoch {epoch + 1}/{epochs}",
         disable=not (progress and state.is_main_process),
         leave=False,
