@@ -45,7 +45,7 @@ import logging
 import math
 import random
 import time
-from typing import Callable, Iterable, List, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -127,6 +127,9 @@ def evaluate(
     """
     state = _state(strategy)
     loader = make_loader(eval_data, model, state, batch_size=batch_size, shuffle=False)
+    unwrap_model(model).to(state.device)
+    if state.strategy == "dp" and unwrap_model(model) is model:
+        model = torch.nn.DataParallel(model)
     return _evaluate(model, loader, state, amp)
 
 

@@ -70,7 +70,9 @@ class MetricAccumulator:
     labels of the eval set, weighted by each batch's label count).
     Ranking metrics reuse each T4R ranking metric's per-example ``_metric``, so
     they match T4R's definitions exactly; binary metrics threshold at 0.5 like
-    torchmetrics.
+    torchmetrics. Under DataParallel the model returns one loss per replica; the
+    batch's loss is their mean, so ``loss`` (not the other metrics, which use
+    the gathered predictions) is exact only when replicas get equal chunks.
     """
 
     def __init__(self, model, state: DistributedState):
