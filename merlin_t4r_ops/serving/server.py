@@ -1,15 +1,19 @@
 """Start the real ``tritonserver`` on a model repository and stop it, stubs and all."""
 
 import contextlib
+import logging
 import os
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional
+
+import psutil
 
 from merlin_t4r_ops.errors import ServerStartError
 from merlin_t4r_ops.serving.triton_env import (
@@ -21,6 +25,7 @@ from merlin_t4r_ops.serving.triton_env import (
 __all__ = ["TritonServer", "triton_server", "server_command", "free_port"]
 
 LOOPBACK = "127.0.0.1"
+LOGGER = logging.getLogger(__name__)
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -44,6 +49,10 @@ def server_command(
         f"--grpc-port={grpc_port}",
         # The metrics endpoint would take a fixed port (8002) and collide between servers.
         "--allow-metrics=false",
+        # Explicit control with every model loaded at start: the same models as the default
+        # mode, and a model whose stub died can be loaded again without a server restart.
+        "--model-control-mode=explicit",
+        "--load-model=*",
         *extra_args,
     ]
 
@@ -57,6 +66,8 @@ class TritonServer:
     http_url: str
     log_path: Path
     _clients: list = field(default_factory=list, repr=False)
+    _handled_stubs: set = field(default_factory=set, repr=False)
+    _stub_models: dict = field(default_factory=dict, repr=False)
 
     def client(self):
         """A ``tritonclient.grpc.InferenceServerClient`` connected to this server."""
@@ -88,11 +99,58 @@ class TritonServer:
                     )
                 with contextlib.suppress(InferenceServerException):
                     if probe.is_server_ready():
+                        self.remember_stubs()
                         return
                 time.sleep(0.2)
         raise ServerStartError(
             f"tritonserver was not ready after {timeout:.0f} s. Its log:\n{self.logs()}"
         )
+
+    def remember_stubs(self) -> None:
+        """Record which model each live stub serves: a dead stub's command line is gone."""
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for stub in psutil.Process(self.process.pid).children():
+                if stub.pid in self._stub_models:
+                    continue
+                with contextlib.suppress(psutil.Error):
+                    model_py = next((a for a in stub.cmdline() if a.endswith("model.py")), None)
+                    if model_py:  # <repository>/<model name>/<version>/model.py
+                        self._stub_models[stub.pid] = Path(model_py).parts[-3]
+
+    def dead_stubs(self) -> Dict[str, List[int]]:
+        """Models whose Python-backend stub died and was not reloaded yet, with the stubs' pids.
+
+        Triton 2.51 keeps reporting such a model ready and answers each of its requests with
+        "Stub process ... is not healthy", so liveness is read from the processes themselves.
+        """
+        dead: Dict[str, List[int]] = {}
+        for pid, model in self._stub_models.items():
+            if pid in self._handled_stubs:
+                continue
+            try:
+                alive = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                alive = False
+            if not alive:
+                dead.setdefault(model, []).append(pid)
+        return dead
+
+    def reload_model(self, name: str) -> None:
+        """Load ``name`` again: Triton starts fresh stubs for it and returns once they are up."""
+        import tritonclient.grpc as grpcclient
+
+        with grpcclient.InferenceServerClient(self.grpc_url) as client:
+            client.load_model(name)
+        self.remember_stubs()
+
+    def heal(self) -> List[str]:
+        """Reload every model whose stub died; returns their names."""
+        healed = []
+        for name, pids in self.dead_stubs().items():
+            self.reload_model(name)
+            self._handled_stubs.update(pids)
+            healed.append(name)
+        return healed
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the server and every stub it started (they share its process group)."""
@@ -161,6 +219,7 @@ def triton_server(
     host: str = LOOPBACK,
     timeout: float = 180.0,
     extra_args=(),
+    heal_interval: Optional[float] = None,
 ) -> Iterator[TritonServer]:
     """Run ``tritonserver`` on ``model_repository`` for the duration of a ``with`` block.
 
@@ -176,6 +235,9 @@ def triton_server(
         Seconds to wait for the server and all its models to become ready.
     extra_args : sequence of str
         Further ``tritonserver`` flags, e.g. ``["--log-verbose=1"]``.
+    heal_interval : float, optional
+        When set, a watchdog thread checks the stubs this often and reloads any model whose
+        stub died (:meth:`TritonServer.heal`). Without it, call ``heal()`` yourself.
 
     Yields
     ------
@@ -191,8 +253,23 @@ def triton_server(
         model_repository, grpc_port=grpc_port, http_port=http_port, host=host,
         extra_args=extra_args,
     )
+    stopping = threading.Event()
+
+    def watchdog():
+        while not stopping.wait(heal_interval):
+            try:
+                healed = server.heal()
+            except Exception:  # noqa: BLE001 - the watchdog must outlive a failed reload
+                LOGGER.warning("reloading a model whose stub died failed; retrying", exc_info=True)
+            else:
+                for name in healed:
+                    LOGGER.warning("model %s lost its stub process and was reloaded", name)
+
     try:
         server.wait_until_ready(timeout)
+        if heal_interval:
+            threading.Thread(target=watchdog, name="triton-watchdog", daemon=True).start()
         yield server
     finally:
+        stopping.set()
         server.stop()
