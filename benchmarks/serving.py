@@ -11,7 +11,10 @@ The Triton paths are timed from a pandas DataFrame of sessions to numpy outputs:
 client's encoding (``dataframe_to_inputs``) and decoding (``as_numpy``) are part of the
 cost. The eager and local paths start from tensors built before the clock starts. Each
 thread of a concurrency level has its own gRPC client. Every cell is bounded by a request
-count and by a time budget.
+count and by a time budget, and split into ``--rounds`` that alternate between the paths,
+so that load from elsewhere on the machine falls on all of them alike. The benchmark
+process uses the same number of torch threads as each Triton stub (``stub_threads``), so
+the floor and the served model run alike.
 
 Usage::
 
@@ -52,14 +55,17 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, default=200, help="most requests per cell")
     p.add_argument("--seconds", type=float, default=4.0, help="most seconds per cell")
     p.add_argument("--warmup", type=int, default=5, help="untimed requests per thread")
+    p.add_argument("--rounds", type=int, default=4, help="alternations of the paths per cell")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads here (default: what each Triton stub gets)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--instances", type=int, default=None,
                    help="optional: rewrite the exported instance_group count (default: as exported)")
-    p.add_argument("--quick", action="store_true", help="1k items, 30 requests, 1 s per cell")
+    p.add_argument("--quick", action="store_true", help="1k items, 32 requests, 1 s, 2 rounds per cell")
     p.add_argument("--output-dir", default=None, help="write serving.md and serving.json here")
     args = p.parse_args(argv)
     if args.quick:
-        args.items, args.requests, args.seconds, args.warmup = 1_000, 30, 1.0, 2
+        args.items, args.requests, args.seconds, args.warmup, args.rounds = 1_000, 32, 1.0, 2, 2
     return args
 
 
@@ -103,32 +109,29 @@ def set_instance_count(config_path, count):
     Path(config_path).write_text(text)
 
 
-def measure(make_call, rows, concurrency, args):
-    """Run one cell: ``concurrency`` threads, each with its own ``make_call()`` callable.
+def measure(calls, per_thread, seconds, warmup):
+    """One round of one path: ``len(calls)`` threads, each calling its own callable.
 
     Returns
     -------
-    dict
-        ``p50_ms``, ``p99_ms``, ``rows_per_s`` (over the wall time of all threads),
-        ``requests`` and ``response_bytes`` (of one response).
+    tuple
+        Latencies in ms (all threads), wall seconds of the round, size of one response.
     """
-    calls = [make_call() for _ in range(concurrency)]
-    per_thread = max(1, args.requests // concurrency)
     latencies = [[] for _ in calls]
-    sizes = [0] * concurrency
-    start = threading.Barrier(concurrency + 1)
+    sizes = [0] * len(calls)
+    start = threading.Barrier(len(calls) + 1)
 
     def worker(i):
-        for _ in range(args.warmup):
+        for _ in range(warmup):
             sizes[i] = calls[i]()
         start.wait()
-        deadline = time.perf_counter() + args.seconds
+        deadline = time.perf_counter() + seconds
         while len(latencies[i]) < per_thread and time.perf_counter() < deadline:
             t0 = time.perf_counter()
             calls[i]()
             latencies[i].append(time.perf_counter() - t0)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(calls))]
     for thread in threads:
         thread.start()
     start.wait()
@@ -136,14 +139,37 @@ def measure(make_call, rows, concurrency, args):
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - t0
-    flat = np.concatenate([np.asarray(lat) for lat in latencies]) * 1e3
-    return {
-        "p50_ms": float(np.percentile(flat, 50)),
-        "p99_ms": float(np.percentile(flat, 99)),
-        "rows_per_s": rows * len(flat) / wall,
-        "requests": len(flat),
-        "response_bytes": int(sizes[0]),
-    }
+    return [1e3 * x for lat in latencies for x in lat], wall, sizes[0]
+
+
+def measure_cell(makers, rows, concurrency, args):
+    """All paths of one (batch, concurrency) cell, alternating over ``args.rounds`` rounds.
+
+    Returns
+    -------
+    dict
+        Per path: ``p50_ms``, ``p99_ms``, ``rows_per_s`` (over the wall time of all
+        threads), ``requests`` and ``response_bytes`` (of one response).
+    """
+    calls = {path: [make() for _ in range(concurrency)] for path, make in makers.items()}
+    per_thread = max(1, args.requests // (concurrency * args.rounds))
+    totals = {path: ([], 0.0, 0) for path in makers}
+    for round_ in range(args.rounds):
+        for path in makers:
+            lat, wall, size = measure(calls[path], per_thread, args.seconds / args.rounds,
+                                      args.warmup if round_ == 0 else 1)
+            old = totals[path]
+            totals[path] = (old[0] + lat, old[1] + wall, size)
+    cells = {}
+    for path, (lat, wall, size) in totals.items():
+        cells[path] = {
+            "p50_ms": float(np.percentile(lat, 50)),
+            "p99_ms": float(np.percentile(lat, 99)),
+            "rows_per_s": rows * len(lat) / wall,
+            "requests": len(lat),
+            "response_bytes": int(size),
+        }
+    return cells
 
 
 def path_calls(path, df, inputs_dtypes, tensors, ensembles, server, device):
@@ -200,8 +226,10 @@ def run(args):
 
     from merlin_t4r_ops.serving import triton_server
     from merlin_t4r_ops.serving.client import _input_dtypes
+    from merlin_t4r_ops.serving.triton_env import stub_threads
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.set_num_threads(args.threads or stub_threads())
     model = build_model(args, device)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -216,12 +244,12 @@ def run(args):
                                                items=args.items, categories=100)
                 tensors = {k: v.to(device) for k, v in
                            factories.reference_inputs(df, args.seq_len).items()}
+                makers = {path: path_calls(path, df, dtypes, tensors, ensembles, server, device)
+                          for path in PATHS}
                 for concurrency in levels:
-                    floor = None
-                    for path in PATHS:
-                        make = path_calls(path, df, dtypes, tensors, ensembles, server, device)
-                        cell = measure(make, batch, concurrency, args)
-                        floor = floor or cell["p50_ms"]
+                    cells = measure_cell(makers, batch, concurrency, args)
+                    floor = cells["eager"]["p50_ms"]
+                    for path, cell in cells.items():
                         cell.update(path=path, batch=batch, concurrency=concurrency,
                                     vs_floor=cell["p50_ms"] / floor)
                         rows.append(cell)
@@ -257,12 +285,16 @@ def machine(device):
 
 
 def main(argv=None):
+    """Run the benchmark; print the table and write it under ``--output-dir``."""
+    import torch
+
     args = parse_args(argv)
     print(HEADER, flush=True)
     rows, device = run(args)
     settings = (f"{args.model}, d_model {args.d_model}, {args.n_layer} layers, sequence "
                 f"length {args.seq_len}, {args.items:,} items, top-{args.top_k}, device "
-                f"{device}, instances {args.instances or 'as exported'}")
+                f"{device}, instances {args.instances or 'as exported'}, torch threads "
+                f"{torch.get_num_threads()}, {args.rounds} rounds")
     table = "\n".join([HEADER] + [format_row(r) for r in rows])
     print(f"\nMachine: {machine(device)}\nSettings: {settings}\n")
     if args.output_dir:

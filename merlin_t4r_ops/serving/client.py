@@ -26,11 +26,18 @@ def _input_dtypes(client, model_name: str) -> Dict[str, np.dtype]:
 
 
 def _ragged(series: pd.Series, values_dtype, offsets_dtype):
-    lengths = series.map(len).to_numpy(dtype=np.int64)
-    offsets = np.zeros(len(series) + 1, dtype=offsets_dtype)
+    # Plain Python over the rows: pandas' map and a per-row asarray cost more than the
+    # copy itself for the few short sessions of a request.
+    rows = series.tolist()
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    offsets = np.zeros(len(rows) + 1, dtype=offsets_dtype)
     np.cumsum(lengths, out=offsets[1:])
-    parts = [np.asarray(row) for row in series]
-    values = np.concatenate(parts) if parts else np.array([])
+    if not rows:
+        return np.array([], dtype=values_dtype), offsets
+    if all(isinstance(row, np.ndarray) for row in rows):
+        values = np.concatenate(rows)
+    else:
+        values = np.concatenate([np.asarray(row) for row in rows])
     return values.astype(values_dtype, copy=False), offsets
 
 
