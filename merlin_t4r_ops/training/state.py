@@ -83,6 +83,24 @@ def _env_int(env: Mapping[str, str], name: str) -> Optional[int]:
         ) from None
 
 
+def _restart_safe_store(world_size: int):
+    """The store for a torchrun world, with keys private to this restart attempt.
+
+    After ``torchrun --max-restarts`` restarts the workers, the new gloo world was seen
+    (torch 2.13, 2 CPU cores) connecting to addresses that the previous, dead attempt had
+    published, and failing with "connectFullMesh ... Connection refused". A prefix per attempt
+    keeps every attempt's rendezvous keys apart. Outside torchelastic, ``env://`` as usual.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from datetime import timedelta
+
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           world_size, is_master=False, timeout=timedelta(minutes=10))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"merlin_t4r_ops/attempt_{attempt}", client)
+
+
 def resolve_strategy(strategy: str = "auto") -> DistributedState:
     """Decide how this process trains and set up the process group if needed.
 
@@ -173,8 +191,8 @@ def _resolve_ddp(env_rank, env_world, env_local, launched, pg_ready, n_gpus, rea
         )
     backend = "nccl" if n_gpus else "gloo"
     if not pg_ready:
-        # env:// reads MASTER_ADDR/MASTER_PORT that torchrun exported.
-        dist.init_process_group(backend=backend, rank=env_rank, world_size=env_world)
+        dist.init_process_group(backend=backend, rank=env_rank, world_size=env_world,
+                                store=_restart_safe_store(env_world))
     rank, world = dist.get_rank(), dist.get_world_size()
     if launched and (rank != env_rank or world != env_world):
         raise StrategyError(
