@@ -92,7 +92,8 @@ def sessionize_workflow(max_length: int, min_length: int):
     """Events -> sessions: time-sorted lists of the last ``max_length`` items, short ones dropped."""
     import nvtabular as nvt
 
-    grouped = ["session_id", "item_id", "category", "timestamp", "purchase"] >> nvt.ops.Groupby(
+    columns = ["session_id", "item_id", "category", "timestamp", "purchase"]
+    grouped = columns >> nvt.ops.Groupby(
         groupby_cols=["session_id"],
         sort_cols=["timestamp"],
         aggs={"item_id": ["list", "count"], "category": ["list"], "timestamp": ["first"],
