@@ -89,7 +89,7 @@ def generate_events(
 
 
 def sessionize_workflow(max_length: int, min_length: int):
-    """Events -> sessions: time-sorted lists of the last ``max_length`` items, short ones dropped."""
+    """Events -> sessions: time-sorted lists of the last ``max_length`` items, short ones out."""
     import nvtabular as nvt
 
     columns = ["session_id", "item_id", "category", "timestamp", "purchase"]
