@@ -115,3 +115,12 @@ def test_bad_offsets_are_named(model, offsets, message):
 
     with pytest.raises(InvalidRequestError, match=message):
         _lengths_from_offsets("item_id-list", np.array(offsets), 6)
+
+
+def test_top_k_ids_are_int32_to_keep_responses_small(model):
+    from merlin.table import TensorTable as Table
+
+    op = PredictT4RPyTorch(model, top_k=4)
+    assert op.compute_output_schema(None, None)["item_ids"].dtype.to_numpy == np.int32
+    out = op.predict(Table.from_df(factories.random_sessions(3, np.random.default_rng(4))))
+    assert out["item_ids"].dtype == np.int32 and out["item_ids"].shape == (3, 4)

@@ -57,8 +57,9 @@ class PredictT4RPyTorch(BaseOperator):
         Columns the operator returns; default derived from ``model.output_schema`` and
         ``top_k``.
     top_k : int, optional
-        For next-item prediction: return the ``top_k`` best items as ``item_ids`` and
-        ``item_id_scores``, each ``[batch, top_k]``, instead of the full score matrix.
+        For next-item prediction: return the ``top_k`` best items as ``item_ids`` (int32,
+        the encoded ids the model scores) and ``item_id_scores`` (float32), each
+        ``[batch, top_k]``, instead of the full score matrix.
     max_sequence_length : int, optional
         Width the session lists are padded or cropped to; default the model's own.
     device : str or torch.device, optional
@@ -122,7 +123,10 @@ class PredictT4RPyTorch(BaseOperator):
                 ColumnSchema(col.name, dtype=np.float32, dims=self._score_dims(col))
                 for col in task_columns
             ])
-        id_dtype = self._input_schema[self._item_id_column()].dtype
+        # int32 ids halve the id bytes of every response; any embedding table fits int32.
+        catalogue = int(task_columns[0].shape.dims[1].max)
+        id_dtype = np.int32 if catalogue < 2**31 else self._input_schema[
+            self._item_id_column()].dtype
         return Schema([
             ColumnSchema(TOP_K_IDS, dtype=id_dtype, dims=(None, self.top_k)),
             ColumnSchema(TOP_K_SCORES, dtype=np.float32, dims=(None, self.top_k)),
