@@ -16,7 +16,7 @@
 # the stub too, because merlin_t4r_ops puts the running interpreter's bin first on PATH.
 # Our wheels (numpy 1.26, pandas 2.2, pyarrow 16, scipy 1.17, transformers 4.30, ...) come
 # first on sys.path and so shadow the machine's newer ones; torch, cupy, numba, grpcio, ...
-# still come from the machine.
+# still come from the machine. It also exports DASK_DATAFRAME__CONVERT_STRING=False (see below).
 #
 # Knobs: T4R_WHEEL_DIRS (default "a b c d"), T4R_VENV (default /tmp/t4r-venv),
 # T4R_BASE_PYTHON (default: the python3 on PATH when the venv is first made),
@@ -98,6 +98,10 @@ EOF
   export VIRTUAL_ENV="$venv"
   case ":$PATH:" in *":$venv/bin:"*) ;; *) export PATH="$venv/bin:$PATH" ;; esac
   case ":${PYTHONPATH:-}:" in *":$root:"*) ;; *) export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" ;; esac
+  # dask 2023.7 turns object columns into pyarrow strings by default once pandas>=2 and
+  # pyarrow are present, which stringifies Merlin's list columns ('[25 26 27]') and breaks
+  # the torch dataloader (measured). Dask's own config switch turns that off.
+  export DASK_DATAFRAME__CONVERT_STRING="${DASK_DATAFRAME__CONVERT_STRING:-False}"
   hash -r
 
   [ "${T4R_SKIP_SMOKE:-0}" = 1 ] && return 0
@@ -113,6 +117,7 @@ print("numpy", numpy.__version__, "| pandas", pandas.__version__, "| pyarrow", p
       "| scipy", scipy.__version__, "| dask", dask.__version__)
 print("transformers", transformers.__version__, "| tokenizers dist", md.version("tokenizers"),
       "| torch", torch.__version__, "| numba", md.version("numba"))
+print("dask convert-string", dask.config.get("dataframe.convert-string"))
 print("merlin HAS_GPU", compat.HAS_GPU, "| cupy", compat.cupy, "| cudf", compat.cudf)
 ts = tritonserver_executable()
 print("tritonserver", ts, "executable" if os.access(ts, os.X_OK) else "NOT EXECUTABLE")
