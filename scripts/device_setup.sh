@@ -79,6 +79,15 @@ with open(sys.argv[1], "w") as f:
     f.write("import site; " + "; ".join("site.addsitedir(%r)" % p for p in paths) + "\n")
 EOF
   echo "$root" > "$site/zz_t4r_repo.pth"
+  # The console scripts pip would make for this repo (setup.cfg [options.entry_points]); the
+  # tests and Merlin's own launcher look for `tritonserver` on PATH.
+  local spec name target
+  for spec in "merlin-t4r-serve=serve_main" "tritonserver=tritonserver_main"; do
+    name="${spec%%=*}"; target="${spec#*=}"
+    printf '#!%s\nimport sys\nfrom merlin_t4r_ops.serving.cli import %s\nif __name__ == "__main__":\n    sys.exit(%s())\n' \
+      "$venv/bin/python3" "$target" "$target" > "$venv/bin/$name"
+    chmod +x "$venv/bin/$name"
+  done
 
   # Install every wheel in one pip call, unless this exact set is installed already.
   local stamp_new stamp_file="$venv/.t4r_wheels_installed"
