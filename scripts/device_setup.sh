@@ -29,7 +29,7 @@ _t4r_setup() {
     return 2
   fi
   local venv="${T4R_VENV:-/tmp/t4r-venv}"
-  local dirs="${T4R_WHEEL_DIRS:-a b c d}"
+  local dirs="${T4R_WHEEL_DIRS:-a b c d e}"
 
   # The machine's interpreter: remembered in the venv, since after the first source python3
   # on PATH is the venv's own.
@@ -111,6 +111,14 @@ EOF
   # pyarrow are present, which stringifies Merlin's list columns ('[25 26 27]') and breaks
   # the torch dataloader (measured). Dask's own config switch turns that off.
   export DASK_DATAFRAME__CONVERT_STRING="${DASK_DATAFRAME__CONVERT_STRING:-False}"
+  # Measured on the H200 (Python 3.12.3), each needed for the imports to succeed:
+  # - dask before 2024.4.1 fails to import on Python 3.12.3 ("descriptor '__call__' for
+  #   'type' objects doesn't apply to a 'property' object"), so .whl/d carries dask and
+  #   distributed 2024.4.2, kept on the legacy (non dask-expr) DataFrame that Merlin 23.8 knows;
+  # - transformers 4.30 imports the machine's jax (built for numpy 2) and peft (which wants
+  #   transformers 5): USE_* keeps transformers to torch, and .whl/e carries peft 0.4.0.
+  export DASK_DATAFRAME__QUERY_PLANNING="${DASK_DATAFRAME__QUERY_PLANNING:-False}"
+  export USE_TF=0 USE_FLAX=0 USE_JAX=0 USE_TORCH=1
   hash -r
 
   [ "${T4R_SKIP_SMOKE:-0}" = 1 ] && return 0
