@@ -2,11 +2,14 @@
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+from tritonclient.utils import InferenceServerException
 
 import t4r_factories as factories
-from merlin_t4r_ops.serving.client import dataframe_arrays, infer_dataframe
+from merlin_t4r_ops.serving.client import (
+    arrays_to_inputs,
+    dataframe_arrays,
+    infer_dataframe,
+)
 
 MODEL = "next_item_full"
 
@@ -20,12 +23,7 @@ def _good_arrays(n=4, seed=0):
 
 
 def _infer(client, arrays):
-    inputs = []
-    for name, array in arrays.items():
-        item = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        item.set_data_from_numpy(array)
-        inputs.append(item)
-    return client.infer(MODEL, inputs)
+    return client.infer(MODEL, arrays_to_inputs(arrays))
 
 
 def _assert_still_serving(client, served_models):

@@ -4,6 +4,7 @@ All traffic goes to the test's own server on 127.0.0.1; every loop is bounded in
 """
 
 import os
+import re
 import signal
 import threading
 import time
@@ -13,12 +14,16 @@ import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 from merlin.systems.dag import Ensemble
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+from tritonclient.utils import InferenceServerException
 
 import t4r_factories as factories
 from merlin_t4r_ops import PredictT4RPyTorch
 from merlin_t4r_ops.serving import triton_server
-from merlin_t4r_ops.serving.client import dataframe_arrays, infer_dataframe
+from merlin_t4r_ops.serving.client import (
+    arrays_to_inputs,
+    dataframe_arrays,
+    infer_dataframe,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +41,8 @@ def _stub_rss(server, model):
     raise AssertionError(f"no stub process serves {model}")
 
 
-def _infer_arrays(client, arrays, model=MODEL):
-    inputs = []
-    for name, array in arrays.items():
-        item = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        item.set_data_from_numpy(array)
-        inputs.append(item)
-    return client.infer(model, inputs)
+def _infer_arrays(client, arrays):
+    return client.infer(MODEL, arrays_to_inputs(arrays))
 
 
 def test_eight_concurrent_clients_get_their_own_answers(triton, served_models):
@@ -170,7 +170,6 @@ def test_fuzzed_bad_requests_are_named_and_never_break_the_server(triton, served
         else:
             with pytest.raises(InferenceServerException) as caught:
                 _infer_arrays(client, arrays)
-            import re
             if not re.search(message, str(caught.value)):
                 unnamed.append((label, message, str(caught.value)[:300]))
         df, good = _good(rng, rows=3)

@@ -14,7 +14,7 @@ from tritonclient.utils import triton_to_np_dtype
 
 from merlin_t4r_ops.errors import InvalidRequestError
 
-__all__ = ["dataframe_to_inputs", "response_to_dataframe", "infer_dataframe"]
+__all__ = ["arrays_to_inputs", "dataframe_arrays", "dataframe_to_inputs", "response_to_dataframe", "infer_dataframe"]
 
 EXECUTOR_MODEL = "executor_model"
 _VALUES, _OFFSETS = "__values", "__offsets"
@@ -68,8 +68,8 @@ def dataframe_arrays(df: pd.DataFrame, dtypes: Dict[str, np.dtype]) -> Dict[str,
     return arrays
 
 
-def dataframe_to_inputs(df: pd.DataFrame, dtypes: Dict[str, np.dtype], protocol: str = "grpc"):
-    """``tritonclient`` ``InferInput`` objects for the rows of ``df``."""
+def arrays_to_inputs(arrays: Dict[str, np.ndarray], protocol: str = "grpc"):
+    """``tritonclient`` ``InferInput`` objects for named numpy arrays, sent as they are."""
     if protocol == "grpc":
         import tritonclient.grpc as triton
     else:
@@ -77,11 +77,16 @@ def dataframe_to_inputs(df: pd.DataFrame, dtypes: Dict[str, np.dtype], protocol:
     from tritonclient.utils import np_to_triton_dtype
 
     inputs = []
-    for name, array in dataframe_arrays(df, dtypes).items():
+    for name, array in arrays.items():
         infer_input = triton.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
         infer_input.set_data_from_numpy(array)
         inputs.append(infer_input)
     return inputs
+
+
+def dataframe_to_inputs(df: pd.DataFrame, dtypes: Dict[str, np.dtype], protocol: str = "grpc"):
+    """``tritonclient`` ``InferInput`` objects for the rows of ``df``."""
+    return arrays_to_inputs(dataframe_arrays(df, dtypes), protocol)
 
 
 def response_to_dataframe(response, output_names: Sequence[str]) -> pd.DataFrame:
