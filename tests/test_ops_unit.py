@@ -124,3 +124,21 @@ def test_top_k_ids_are_int32_to_keep_responses_small(model):
     assert op.compute_output_schema(None, None)["item_ids"].dtype.to_numpy == np.int32
     out = op.predict(Table.from_df(factories.random_sessions(3, np.random.default_rng(4))))
     assert out["item_ids"].dtype == np.int32 and out["item_ids"].shape == (3, 4)
+
+
+def test_regression_model_returns_one_score_per_row():
+    import transformers4rec.torch as tr
+
+    torch.manual_seed(0)
+    schema = factories.session_schema()
+    inputs = tr.TabularSequenceFeatures.from_schema(
+        schema, max_sequence_length=factories.SEQ_LEN, continuous_projection=16,
+        aggregation="concat", masking="causal")
+    body = tr.SequentialBlock(inputs, tr.MLPBlock([16]))
+    head = tr.Head(body, tr.RegressionTask("spend", summary_type="last"), inputs=inputs)
+    model = tr.Model(head, max_sequence_length=factories.SEQ_LEN).eval()
+    df = factories.random_sessions(6, np.random.default_rng(8))
+    out = PredictT4RPyTorch(model).predict(TensorTable.from_df(df))
+    (name,) = out
+    assert out[name].shape == (6,)
+    np.testing.assert_allclose(out[name], factories.eager_scores(model, df).reshape(-1), rtol=1e-6)
