@@ -107,3 +107,14 @@ def test_in_process_transform_after_export_still_uses_the_model(tmp_path):
     np.testing.assert_allclose(out["click/binary_classification_task"].values,
                                factories.eager_scores(model, df).reshape(-1), rtol=1e-6)
     assert os.path.isdir(tmp_path / "executor_model")
+
+
+def test_ensemble_pickle_never_holds_the_weights_even_after_inference(tmp_path):
+    model = factories.next_item_model("xlnet-causal", seed=24)
+    op = PredictT4RPyTorch(model)
+    ensemble = Ensemble(model.input_schema.column_names >> op, model.input_schema)
+    ensemble.transform(TensorTable.from_df(factories.random_sessions(3, np.random.default_rng(5))))
+    ensemble.export(str(tmp_path))
+    pickled = (tmp_path / "executor_model/1/ensemble/ensemble.pkl").stat().st_size
+    weights = next(tmp_path.glob("executor_model/1/ensemble/t4r_model_*/weights.pt")).stat().st_size
+    assert pickled < weights / 4

@@ -171,7 +171,7 @@ class PredictT4RPyTorch(BaseOperator):
     def __getstate__(self):
         state = dict(self.__dict__)
         state["model"] = None
-        state.pop("_module_cache", None)
+        state.pop("_module_cache", None)  # it holds the model too
         return state
 
     def save_artifacts(self, artifact_path=None) -> None:
