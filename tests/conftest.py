@@ -14,6 +14,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import t4r_factories as factories  # noqa: E402
 
+# What torchrun exports; with any of them set, strategy "auto" would pick DDP.
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def no_launcher_env(monkeypatch):
+    """For tests that decide the strategy themselves: no stray torchrun environment."""
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
 SERVED = {
     "next_item_full": lambda: factories.next_item_model("xlnet-causal", seed=1),
     "next_item_topk": lambda: factories.next_item_model("gpt2", seed=2),

@@ -22,19 +22,13 @@ from trainer_common import (  # noqa: E402
     write_sessions,
 )
 
+from conftest import LAUNCH_VARS  # noqa: E402
 from merlin_t4r_ops.errors import StrategyError  # noqa: E402
 from merlin_t4r_ops.training import DistributedState, Trainer, data_shard  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "trainer_scripts", "ddp_next_item.py")
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-@pytest.fixture(autouse=True)
-def _no_launcher_env(monkeypatch):
-    # These tests decide the strategy themselves; a stray torchrun env would make "auto" DDP.
-    for name in _LAUNCH_VARS:
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("no_launcher_env")
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +152,7 @@ def _launch_two_nodes(train, evals, out, timeout=240):
     Returns the launchers' return codes and the tail of their logs.
     """
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     procs = []

@@ -16,10 +16,7 @@ needs_gpu = pytest.mark.skipif(_N_GPUS < 1, reason=f"needs a CUDA GPU, found {_N
 needs_gpus = pytest.mark.skipif(_N_GPUS < 2, reason=f"needs two or more CUDA GPUs, found {_N_GPUS}")
 
 
-@pytest.fixture(autouse=True)
-def _no_launcher_env(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("no_launcher_env")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from merlin_t4r_ops.errors import StrategyError, T4ROpsError
-from merlin_t4r_ops.training import DistributedState, prepare_model, resolve_strategy, unwrap_model
+from merlin_t4r_ops.training import prepare_model, resolve_strategy, unwrap_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -17,14 +17,8 @@ no_torchrun = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def clean_env(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.mark.skipif(N_GPUS > 1, reason="auto picks dp on a multi-GPU machine")
-def test_auto_without_torchrun_is_single_device(clean_env):
+def test_auto_without_torchrun_is_single_device(no_launcher_env):
     state = resolve_strategy("auto")
     assert state.strategy == "single"
     assert (state.rank, state.local_rank, state.world_size) == (0, 0, 1)
@@ -34,7 +28,7 @@ def test_auto_without_torchrun_is_single_device(clean_env):
     state.barrier()  # no-op, must not need a process group
 
 
-def test_single_is_frozen_and_explicit(clean_env):
+def test_single_is_frozen_and_explicit(no_launcher_env):
     state = resolve_strategy("single")
     assert state.reason == "strategy='single' was asked for"
     with pytest.raises(Exception):
@@ -42,12 +36,12 @@ def test_single_is_frozen_and_explicit(clean_env):
 
 
 @pytest.mark.skipif(N_GPUS >= 2, reason="needs a machine with fewer than two GPUs")
-def test_dp_without_two_gpus_raises(clean_env):
+def test_dp_without_two_gpus_raises(no_launcher_env):
     with pytest.raises(StrategyError, match=r"strategy='dp' needs one process that sees two or more CUDA GPUs, found \d GPU"):
         resolve_strategy("dp")
 
 
-def test_ddp_without_torchrun_raises(clean_env):
+def test_ddp_without_torchrun_raises(no_launcher_env):
     with pytest.raises(StrategyError, match=r"strategy='ddp' expects to be launched by torchrun .*found RANK=None, WORLD_SIZE=None"):
         resolve_strategy("ddp")
 
@@ -58,7 +52,7 @@ def test_unknown_strategy_raises(bad):
         resolve_strategy(bad)
 
 
-def test_bad_rank_env_raises(clean_env, monkeypatch):
+def test_bad_rank_env_raises(no_launcher_env, monkeypatch):
     monkeypatch.setenv("RANK", "zero")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(StrategyError, match=r"environment variable RANK must be an integer .* got 'zero'"):
@@ -69,7 +63,7 @@ def test_strategy_error_is_catchable_as_package_error():
     assert issubclass(StrategyError, T4ROpsError)
 
 
-def test_prepare_model_single_returns_model_on_device_and_refuses_wrapped(clean_env):
+def test_prepare_model_single_returns_model_on_device_and_refuses_wrapped(no_launcher_env):
     state = resolve_strategy("single")
     model = torch.nn.Linear(3, 2)
     prepared = prepare_model(model, state)
@@ -126,7 +120,7 @@ def test_auto_under_torchrun_is_ddp_over_gloo_and_wrapping_twice_raises(tmp_path
 
 @pytest.mark.multigpu
 @pytest.mark.skipif(N_GPUS < 2, reason="DataParallel needs two or more CUDA GPUs")
-def test_auto_with_two_gpus_is_dp(clean_env):
+def test_auto_with_two_gpus_is_dp(no_launcher_env):
     state = resolve_strategy("auto")
     assert state.strategy == "dp" and state.device == torch.device("cuda:0")
     model = prepare_model(torch.nn.Linear(2, 2), state)
