@@ -1,6 +1,7 @@
 """Serve Transformers4Rec models through Merlin Systems on Triton, and train them on many GPUs.
 
 * :class:`PredictT4RPyTorch` runs a T4R model in eager PyTorch inside a Merlin ensemble.
+* :class:`DecodeItemIds` turns its top-k item ids back into the shop's own item ids.
 * :mod:`merlin_t4r_ops.serving` starts a real ``tritonserver`` and talks to it.
 * :mod:`merlin_t4r_ops.training` trains with DataParallel, DDP or one device.
 """
@@ -13,12 +14,13 @@ from merlin_t4r_ops.errors import (
     StrategyError,
     T4ROpsError,
 )
-from merlin_t4r_ops.ops import PredictT4RPyTorch
+from merlin_t4r_ops.ops import DecodeItemIds, PredictT4RPyTorch
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PredictT4RPyTorch",
+    "DecodeItemIds",
     "T4ROpsError",
     "ArtifactError",
     "InvalidRequestError",

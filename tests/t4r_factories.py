@@ -103,12 +103,26 @@ def raw_sessions(n: int, rng: np.random.Generator, max_len=SEQ_LEN * 2) -> pd.Da
     return df
 
 
-def fit_session_workflow(directory, rng: np.random.Generator, n: int = 300):
-    """Fit Categorify on raw session ids; returns (workflow, model over its output, raw data)."""
+def string_item_ids(raw: pd.DataFrame) -> pd.DataFrame:
+    """The same sessions with the shop's item ids as strings (``"sku-<id>"``)."""
+    raw = raw.copy()
+    raw["item_id-list"] = raw["item_id-list"].map(
+        lambda ids: np.array([f"sku-{i}" for i in ids], dtype=object))
+    return raw
+
+
+def fit_session_workflow(directory, rng: np.random.Generator, n: int = 300,
+                         string_ids: bool = False):
+    """Fit Categorify on raw session ids; returns (workflow, model over its output, raw data).
+
+    With ``string_ids`` the raw item ids are strings, else int64 ids in the millions.
+    """
     import nvtabular as nvt
     from merlin.io import Dataset
 
     raw = raw_sessions(n, rng)
+    if string_ids:
+        raw = string_item_ids(raw)
     categorify = dict(out_path=str(directory))  # not ./categories in the working directory
     items = (["item_id-list"] >> nvt.ops.Categorify(**categorify)
              >> nvt.ops.AddTags([Tags.ITEM_ID, Tags.ITEM, Tags.CATEGORICAL, Tags.LIST]))

@@ -89,13 +89,25 @@ def dataframe_to_inputs(df: pd.DataFrame, dtypes: Dict[str, np.dtype], protocol:
     return arrays_to_inputs(dataframe_arrays(df, dtypes), protocol)
 
 
+def _text(array: np.ndarray) -> np.ndarray:
+    """Triton BYTES arrive as ``bytes`` objects; the ensemble sent ``str`` (UTF-8)."""
+    if array.dtype != object:
+        return array
+    flat = [value.decode("utf-8") if isinstance(value, bytes) else value
+            for value in array.reshape(-1)]
+    return np.array(flat, dtype=object).reshape(array.shape)
+
+
 def response_to_dataframe(response, output_names: Sequence[str]) -> pd.DataFrame:
-    """A DataFrame of the outputs: 2-D outputs and ragged pairs become list columns."""
+    """A DataFrame of the outputs: 2-D outputs and ragged pairs become list columns.
+
+    String outputs (Triton BYTES) come back as ``str``, the way the ensemble returned them.
+    """
     columns = {}
     for name in output_names:
         if name.endswith(_OFFSETS):
             continue
-        array = response.as_numpy(name)
+        array = _text(response.as_numpy(name))
         if name.endswith(_VALUES):
             offsets = response.as_numpy(name[: -len(_VALUES)] + _OFFSETS)
             columns[name[: -len(_VALUES)]] = np.split(array, offsets[1:-1])

@@ -1,0 +1,121 @@
+"""``DecodeItemIds``: turn the encoded ``item_ids`` of a top-k into the shop's own item ids."""
+
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from merlin.dag import BaseOperator, ColumnSelector
+from merlin.schema import Schema
+from merlin.table import TensorTable
+from merlin_t4r_ops.errors import SchemaMismatchError, T4ROpsError
+from merlin_t4r_ops.ops._checked_standin import read_checked, write_checked
+from merlin_t4r_ops.ops.predict_t4r import TOP_K_IDS
+from merlin_t4r_ops.ops.vocabulary import RAW_IDS_FILE, VOCABULARY_FILE, ItemVocabulary
+
+__all__ = ["DecodeItemIds"]
+
+
+class DecodeItemIds(BaseOperator):
+    """Map ``item_ids`` to the raw ids of the workflow's item-id column; pass the rest on.
+
+    The raw ids come from the fitted Categorify vocabulary of the column that the
+    workflow tags ``Tags.ITEM_ID``. The decoded ``item_ids`` have the raw column's dtype:
+    integers stay integers, strings travel to Triton clients as BYTES. ``item_id_scores``
+    and every other column pass through unchanged.
+
+    Parameters
+    ----------
+    workflow : nvtabular.Workflow
+        The fitted workflow whose Categorify encoded the item ids the model scores.
+    column : str, optional
+        The item-id output column of ``workflow``; default the one tagged ``Tags.ITEM_ID``.
+
+    Raises
+    ------
+    SchemaMismatchError
+        If the workflow has no item-id column made by Categorify (the message names it).
+
+    Examples
+    --------
+    >>> pipeline = (workflow.input_schema.column_names
+    ...             >> TransformWorkflow(workflow)
+    ...             >> PredictT4RPyTorch(model, top_k=20, exclude_seen=True)
+    ...             >> DecodeItemIds(workflow))
+    """
+
+    def __init__(self, workflow, *, column: Optional[str] = None):
+        super().__init__()
+        self.vocabulary = ItemVocabulary.from_workflow(workflow, column)
+        self.column = self.vocabulary.column
+        self.raw_dtype = self.vocabulary.dtype
+        self._artifact_dir = f"item_vocabulary_{uuid.uuid4().hex[:12]}"
+
+    # -- graph contract ------------------------------------------------------------------
+    def compute_input_schema(
+        self,
+        root_schema: Schema,
+        parents_schema: Schema,
+        deps_schema: Schema,
+        selector: ColumnSelector,
+    ) -> Schema:
+        """Everything the parent produces; it must include integer ``item_ids``."""
+        available = parents_schema + deps_schema
+        if TOP_K_IDS not in available.column_names:
+            raise SchemaMismatchError(
+                f"DecodeItemIds needs column {TOP_K_IDS!r} (the top-k of PredictT4RPyTorch "
+                f"with top_k=); the parent produces {available.column_names}"
+            )
+        if not available[TOP_K_IDS].dtype.is_integer:
+            raise SchemaMismatchError(
+                f"DecodeItemIds needs encoded integer {TOP_K_IDS!r}, the parent produces "
+                f"dtype {available[TOP_K_IDS].dtype.name}"
+            )
+        return available
+
+    def compute_output_schema(
+        self, input_schema: Schema, col_selector: ColumnSelector, prev_output_schema=None
+    ) -> Schema:
+        """The input columns, with ``item_ids`` in the raw item-id column's dtype."""
+        return Schema([
+            column.with_dtype(self.raw_dtype.with_shape(column.shape))
+            if column.name == TOP_K_IDS else column
+            for column in input_schema
+        ])
+
+    # -- artifacts: the vocabulary never goes into ensemble.pkl ----------------------------
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["vocabulary"] = None
+        return state
+
+    def save_artifacts(self, artifact_path=None) -> None:
+        """Write the vocabulary and a manifest of its digests under ``artifact_path``."""
+        if artifact_path is None:
+            raise T4ROpsError("save_artifacts needs artifact_path, got None")
+        write_checked(Path(artifact_path) / self._artifact_dir, self.vocabulary.to_files())
+
+    def load_artifacts(self, artifact_path=None) -> None:
+        """Verify and load the vocabulary written by :meth:`save_artifacts`."""
+        if not artifact_path:
+            # merlin.dag.Graph calls load_artifacts("") while it is built in-process,
+            # where the op still holds the vocabulary it read from the workflow.
+            if getattr(self, "vocabulary", None) is None:
+                raise T4ROpsError("load_artifacts needs the export's artifact_path, got none")
+            return
+        files = read_checked(Path(artifact_path) / self._artifact_dir,
+                             [RAW_IDS_FILE, VOCABULARY_FILE])
+        self.vocabulary = ItemVocabulary.from_files(files)
+
+    # -- inference -----------------------------------------------------------------------
+    def transform(self, col_selector: ColumnSelector, transformable):
+        """Decode ``item_ids`` of a TensorTable or DataFrame; returns the same kind of object."""
+        if isinstance(transformable, TensorTable):
+            columns = transformable.to_dict()
+            columns[TOP_K_IDS] = self.vocabulary.decode(columns[TOP_K_IDS])
+            return TensorTable(columns)
+        frame = transformable.copy(deep=False)
+        encoded = np.stack(frame[TOP_K_IDS].to_list()) if len(frame) else np.empty((0, 0), int)
+        frame[TOP_K_IDS] = list(self.vocabulary.decode(encoded))
+        return frame

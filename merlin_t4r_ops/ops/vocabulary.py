@@ -1,0 +1,191 @@
+"""The shop's raw item ids behind the encoded ids of a fitted NVTabular ``Categorify``.
+
+NVTabular 23.08's ``Categorify`` writes each column's vocabulary to
+``categories/unique.<column>.parquet``: one row per distinct raw value, and the row's index
+is the value's encoded id. The ids below the first row are reserved: 0 for padding, 1 for
+nulls, then one out-of-vocabulary id (or ``num_buckets`` of them), so the first raw item is
+encoded as 3 by default. Those reserved ids have no raw item behind them.
+
+An :class:`ItemVocabulary` holds the raw ids in encoded-id order and travels as two checked
+files: ``raw_ids.parquet`` (one Arrow column, int or UTF-8 string, no pandas metadata and
+no pickle) and ``vocabulary.json`` (column name, first encoded id, count, kind).
+"""
+
+import io
+import json
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import merlin.dtypes as md
+from merlin.schema import Tags
+from merlin_t4r_ops.errors import ArtifactError, SchemaMismatchError, T4ROpsError
+
+__all__ = ["ItemVocabulary", "RAW_IDS_FILE", "VOCABULARY_FILE"]
+
+RAW_IDS_FILE = "raw_ids.parquet"
+VOCABULARY_FILE = "vocabulary.json"
+_RAW_ID = "raw_id"
+# NVTabular's fixed reserved ids: 0 padding, 1 nulls, then the OOV ids (see _encode).
+_OOV_OFFSET = 2
+
+
+@dataclass(frozen=True)
+class ItemVocabulary:
+    """Raw item ids in encoded-id order: encoded id ``first_id + i`` is ``raw_ids[i]``.
+
+    Attributes
+    ----------
+    column : str
+        The workflow's item-id column.
+    first_id : int
+        Encoded id of the first raw item; every id below it is reserved by Categorify.
+    raw_ids : numpy.ndarray
+        1-D, the raw column's integer dtype, or ``object`` holding ``str`` for string ids.
+    """
+
+    column: str
+    first_id: int
+    raw_ids: np.ndarray
+
+    @property
+    def is_string(self) -> bool:
+        return self.raw_ids.dtype == object
+
+    @property
+    def dtype(self) -> md.DType:
+        """The raw column's dtype: an integer, or ``object`` for strings as NVTabular has it.
+
+        Not ``merlin.dtypes.string``: Merlin's executor casts outputs to their schema's
+        dtype by name, and ``str`` becomes a fixed-width numpy array that Triton refuses.
+        """
+        return md.dtype(self.raw_ids.dtype)
+
+    @classmethod
+    def from_workflow(cls, workflow, column: Optional[str] = None) -> "ItemVocabulary":
+        """The vocabulary of ``workflow``'s item-id column (the one tagged ``Tags.ITEM_ID``).
+
+        Raises
+        ------
+        SchemaMismatchError
+            No (or more than one) item-id column, or the column is not made by Categorify.
+        """
+        column = _item_id_column(workflow, column)
+        categorify = _categorify_of(workflow, column)
+        first_id, raw_ids = _read_unique_values(categorify, column)
+        return cls(column, first_id, raw_ids)
+
+    def decode(self, encoded: np.ndarray) -> np.ndarray:
+        """Raw ids for an array of encoded ids, same shape; reserved or unknown ids raise."""
+        encoded = np.asarray(encoded)
+        if encoded.size:
+            unknown = (encoded < self.first_id) | (encoded >= self.first_id + len(self.raw_ids))
+            if unknown.any():
+                raise T4ROpsError(
+                    f"item_ids holds encoded id {int(encoded[unknown][0])}, which has no raw "
+                    f"item id: the vocabulary of {self.column!r} covers ids {self.first_id} to "
+                    f"{self.first_id + len(self.raw_ids) - 1}, and Categorify reserves the ids "
+                    f"below {self.first_id} for padding, nulls and out-of-vocabulary items"
+                )
+        return self.raw_ids[encoded - self.first_id]
+
+    # -- artifact files --------------------------------------------------------------------
+    def to_files(self) -> Dict[str, bytes]:
+        """The two artifact files, as bytes for ``write_checked``."""
+        stream = io.BytesIO()
+        pq.write_table(pa.table({_RAW_ID: pa.array(self.raw_ids)}), stream)
+        meta = {"column": self.column, "first_id": self.first_id, "count": len(self.raw_ids),
+                "kind": "string" if self.is_string else self.raw_ids.dtype.name}
+        return {RAW_IDS_FILE: stream.getvalue(),
+                VOCABULARY_FILE: json.dumps(meta, sort_keys=True).encode()}
+
+    @classmethod
+    def from_files(cls, files: Dict[str, bytes]) -> "ItemVocabulary":
+        """Rebuild from the bytes that ``read_checked`` verified."""
+        try:
+            meta = json.loads(files[VOCABULARY_FILE])
+            column = pq.read_table(pa.BufferReader(files[RAW_IDS_FILE])).column(_RAW_ID)
+            raw_ids = column.to_numpy(zero_copy_only=False)
+            kind = meta["kind"]
+            expected = object if kind == "string" else np.dtype(kind)
+            if raw_ids.dtype != expected or len(raw_ids) != meta["count"]:
+                raise ValueError(f"expected {meta['count']} ids of kind {kind}, read "
+                                 f"{len(raw_ids)} of dtype {raw_ids.dtype}")
+            return cls(str(meta["column"]), int(meta["first_id"]), raw_ids)
+        except (KeyError, ValueError, TypeError, pa.ArrowException) as exc:
+            raise ArtifactError(f"the item vocabulary artifact is not valid: {exc}") from exc
+
+
+def _item_id_column(workflow, column: Optional[str]) -> str:
+    outputs = workflow.output_schema
+    if column is not None:
+        if column not in outputs.column_names:
+            raise SchemaMismatchError(
+                f"column={column!r} is not an output of the workflow; it outputs "
+                f"{outputs.column_names}"
+            )
+        return column
+    tagged = outputs.select_by_tag(Tags.ITEM_ID).column_names
+    if len(tagged) != 1:
+        raise SchemaMismatchError(
+            f"the workflow must tag exactly one output column with Tags.ITEM_ID, it tags "
+            f"{tagged}; pass column= to choose the item-id column"
+        )
+    return tagged[0]
+
+
+def _categorify_of(workflow, column: str):
+    """The fitted ``Categorify`` operator that outputs ``column``."""
+    from merlin.dag import iter_nodes
+    from nvtabular.ops import Categorify
+
+    for node in iter_nodes([workflow.output_node]):
+        if isinstance(node.op, Categorify) and column in node.output_schema.column_names:
+            if node.op.encode_type == "combo" or node.op.single_table:
+                raise SchemaMismatchError(
+                    f"column {column!r} is Categorify-d with encode_type='combo' or "
+                    "single_table=True, whose ids do not map to one raw item id each"
+                )
+            return node.op
+    raise SchemaMismatchError(
+        f"column {column!r} is not encoded by a Categorify in this workflow, so there is no "
+        "vocabulary to decode its ids with: DecodeItemIds needs the item ids Categorify-d"
+    )
+
+
+def _read_unique_values(categorify, column: str):
+    """``(first encoded id, raw ids in encoded order)`` from Categorify's unique-values file."""
+    import pandas as pd
+
+    storage = categorify.storage_name.get(column, column)
+    path = categorify.categories.get(storage)
+    if path is None:
+        raise SchemaMismatchError(
+            f"the Categorify of column {column!r} is not fitted: call workflow.fit first"
+        )
+    values = pd.read_parquet(path, columns=[storage])[storage]
+    buckets = categorify.num_buckets
+    if isinstance(buckets, dict):
+        buckets = buckets.get(storage)
+    first_id = _OOV_OFFSET + (buckets or 1)
+    labels = values.index.to_numpy()
+    # NVTabular's own _encode shifts a table whose index starts inside the reserved range
+    # (cudf can drop the stored RangeIndex); the same rule here keeps decode its inverse.
+    if len(labels) and labels[0] < first_id:
+        labels = labels + first_id
+    if len(labels) and not np.array_equal(labels, np.arange(labels[0], labels[0] + len(labels))):
+        raise SchemaMismatchError(f"the unique-values table {path} has non-contiguous ids")
+    raw_ids = values.to_numpy()
+    if raw_ids.dtype == object and not all(isinstance(value, str) for value in raw_ids):
+        raise SchemaMismatchError(
+            f"column {column!r} holds raw ids that are neither integers nor strings"
+        )
+    if raw_ids.dtype != object and raw_ids.dtype.kind not in "iu":
+        raise SchemaMismatchError(
+            f"column {column!r} holds raw ids of dtype {raw_ids.dtype}; DecodeItemIds "
+            "returns integer or string ids"
+        )
+    return (int(labels[0]) if len(labels) else first_id), raw_ids
