@@ -64,7 +64,38 @@ def model_repository(tmp_path_factory, served_models, session_workflow):
     factories.workflow_ensemble(workflow, workflow_model, top_k=TOP_K).export(
         str(path), name="session_topk"
     )
+    _export_decoding_ensembles(path, workflow, workflow_model, "")
+    factories.workflow_ensemble(workflow, workflow_model, top_k=TOP_K, exclude_seen=False,
+                                decode=True).export(str(path), name="session_decoded_all")
     return path
+
+
+def _export_decoding_ensembles(path, workflow, model, suffix: str):
+    """``decode_only<suffix>`` and ``session_decoded<suffix>`` (exclude_seen=True)."""
+    factories.decode_ensemble(workflow, TOP_K).export(str(path), name="decode_only" + suffix)
+    factories.workflow_ensemble(workflow, model, top_k=TOP_K, exclude_seen=True,
+                                decode=True).export(str(path), name="session_decoded" + suffix)
+
+
+@pytest.fixture(scope="session")
+def string_session_workflow(tmp_path_factory):
+    """Like ``session_workflow``, with the shop's item ids as strings."""
+    return factories.fit_session_workflow(
+        tmp_path_factory.mktemp("string_workflow"), np.random.default_rng(8), string_ids=True
+    )
+
+
+@pytest.fixture(scope="session")
+def string_client(tmp_path_factory, string_session_workflow):
+    """A second server, for the string-id workflow: Merlin names every exported workflow
+    model ``0_transformworkflowtriton``, so one repository holds one workflow."""
+    from merlin_t4r_ops.serving import triton_server
+
+    path = tmp_path_factory.mktemp("string_model_repository")
+    workflow, model, _ = string_session_workflow
+    _export_decoding_ensembles(path, workflow, model, "_str")
+    with triton_server(path) as server:
+        yield server.client()
 
 
 @pytest.fixture(scope="session")

@@ -138,13 +138,27 @@ def fit_session_workflow(directory, rng: np.random.Generator, n: int = 300,
     return workflow, next_item_model("xlnet-causal", schema=schema, seed=5), raw
 
 
-def workflow_ensemble(workflow, model, top_k=None):
-    """raw sessions >> TransformWorkflow(workflow) >> PredictT4RPyTorch(model)."""
+def workflow_ensemble(workflow, model, top_k=None, *, exclude_seen=False, decode=False):
+    """raw sessions >> TransformWorkflow(workflow) >> PredictT4RPyTorch(model)
+    [>> DecodeItemIds(workflow)]."""
     from merlin.systems.dag import Ensemble
     from merlin.systems.dag.ops.workflow import TransformWorkflow
 
-    from merlin_t4r_ops import PredictT4RPyTorch
+    from merlin_t4r_ops import DecodeItemIds, PredictT4RPyTorch
 
     pipeline = (workflow.input_schema.column_names >> TransformWorkflow(workflow)
-                >> PredictT4RPyTorch(model, top_k=top_k))
+                >> PredictT4RPyTorch(model, top_k=top_k, exclude_seen=exclude_seen))
+    if decode:
+        pipeline = pipeline >> DecodeItemIds(workflow)
     return Ensemble(pipeline, workflow.input_schema)
+
+
+def decode_ensemble(workflow, top_k: int):
+    """``item_ids`` (encoded, int32) and ``item_id_scores`` >> DecodeItemIds(workflow)."""
+    from merlin.systems.dag import Ensemble
+
+    from merlin_t4r_ops import DecodeItemIds
+
+    schema = Schema([ColumnSchema("item_ids", dtype=np.int32, dims=(None, top_k)),
+                     ColumnSchema("item_id_scores", dtype=np.float32, dims=(None, top_k))])
+    return Ensemble(schema.column_names >> DecodeItemIds(workflow), schema)

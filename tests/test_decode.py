@@ -1,0 +1,271 @@
+"""DecodeItemIds: the top-k in the shop's own item ids, on Triton and in the local runtime.
+
+Every reference is built the slow, obvious way: the workflow's transform in process, the eager
+model at its own width, reserved and seen items masked to minus infinity, ``torch.topk``,
+and the unique-values table of Categorify read with pandas.
+"""
+
+import pickle
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import t4r_factories as factories
+from conftest import TOP_K
+from merlin_t4r_ops import DecodeItemIds
+from merlin_t4r_ops.errors import ArtifactError, SchemaMismatchError, T4ROpsError
+from merlin_t4r_ops.serving.client import arrays_to_inputs, infer_dataframe
+
+ITEM = "item_id-list"
+RTOL, ATOL = 1e-5, 1e-6
+
+
+# -- references ---------------------------------------------------------------------------
+def unique_values(workflow) -> pd.Series:
+    """Categorify's table as pandas reads it: index = encoded id, value = raw item id."""
+    return pd.read_parquet(workflow.output_schema[ITEM].properties["cat_path"])[ITEM]
+
+
+def encode(workflow, raw: pd.DataFrame) -> pd.DataFrame:
+    from merlin.io import Dataset
+
+    return workflow.transform(Dataset(raw, npartitions=1)).to_ddf().compute()
+
+
+def reference_top_k(workflow, model, raw: pd.DataFrame, exclude_seen: bool):
+    """(raw ids, scores) of each session's top-k, built without any of the package's code."""
+    encoded = encode(workflow, raw)
+    scores = torch.from_numpy(factories.eager_scores(model, encoded))
+    table = unique_values(workflow)
+    reserved = np.setdiff1d(np.arange(scores.shape[1]), table.index.to_numpy())
+    scores[:, reserved] = -torch.inf
+    if exclude_seen:
+        for row, session in enumerate(encoded[ITEM]):
+            scores[row, torch.as_tensor(np.asarray(session))] = -torch.inf
+    top = torch.topk(scores, TOP_K)
+    ids = np.array([[table[i] for i in row] for row in top.indices.tolist()],
+                   dtype=table.dtype)
+    return ids, top.values.numpy()
+
+
+def stacked(frame: pd.DataFrame, column: str) -> np.ndarray:
+    return np.stack([np.asarray(row) for row in frame[column]])
+
+
+def assert_same_top_k(got: pd.DataFrame, expected):
+    ids, scores = expected
+    np.testing.assert_array_equal(stacked(got, "item_ids"), ids)
+    np.testing.assert_allclose(stacked(got, "item_id_scores"), scores, rtol=RTOL, atol=ATOL)
+
+
+def with_recommendations_in_front(workflow, model, raw: pd.DataFrame) -> pd.DataFrame:
+    """Sessions longer than the model's width whose dropped head is what the model would
+    recommend from the kept tail alone: only exclude_seen over the whole session removes it."""
+    long_enough = raw[raw[ITEM].map(len) >= factories.SEQ_LEN].head(12).reset_index(drop=True)
+    tails = long_enough.apply(lambda col: col.map(lambda s: np.asarray(s)[-factories.SEQ_LEN:]))
+    heads, _ = reference_top_k(workflow, model, tails, exclude_seen=True)
+    longer = tails.copy()
+    longer[ITEM] = [np.concatenate([head, tail]) for head, tail in zip(heads, tails[ITEM])]
+    for name in tails.columns.drop(ITEM):  # the other lists get as many leading items
+        longer[name] = [np.concatenate([np.repeat(tail[:1], TOP_K), tail])
+                        for tail in tails[name]]
+    return longer, heads
+
+
+@pytest.fixture(params=["int64", "string"])
+def any_workflow(request, session_workflow, string_session_workflow):
+    return session_workflow if request.param == "int64" else string_session_workflow
+
+
+# -- the vocabulary ------------------------------------------------------------------------
+def test_vocabulary_is_the_unique_values_table(any_workflow):
+    workflow, _, _ = any_workflow
+    table = unique_values(workflow)
+    op = DecodeItemIds(workflow)
+    decoded = op.vocabulary.decode(table.index.to_numpy())
+    assert decoded.dtype == table.dtype
+    np.testing.assert_array_equal(decoded, table.to_numpy())
+    assert op.vocabulary.first_id == table.index.min() == 3  # 0 pad, 1 null, 2 OOV
+
+
+def test_decode_inverts_categorify_with_large_ids_and_oov_buckets(tmp_path):
+    """Raw ids beyond int32, rare items hashed into 4 OOV buckets: the reserved ids are what
+    this Categorify reserves (0 to 5), not a constant. (NVTabular 23.08 cannot hash list
+    columns on the CPU, hence a scalar item column.)"""
+    import nvtabular as nvt
+    from merlin.io import Dataset
+    from merlin.schema import Tags
+
+    rng = np.random.default_rng(3)
+    raw = pd.DataFrame({"item_id": rng.zipf(1.3, size=3000) % 500 * 1_000_003 + 3_000_000_000})
+    items = (["item_id"] >> nvt.ops.Categorify(out_path=str(tmp_path), num_buckets=4,
+                                               freq_threshold=3)
+             >> nvt.ops.AddTags([Tags.ITEM_ID, Tags.CATEGORICAL]))
+    workflow = nvt.Workflow(items)
+    workflow.fit(Dataset(raw))
+    codes = encode(workflow, raw)["item_id"].to_numpy()
+    vocabulary = DecodeItemIds(workflow).vocabulary
+    assert vocabulary.first_id == 6 and vocabulary.raw_ids.dtype == np.int64
+    known = codes >= vocabulary.first_id
+    assert known.any() and (~known).any()
+    np.testing.assert_array_equal(vocabulary.decode(codes[known]), raw["item_id"][known])
+    with pytest.raises(T4ROpsError, match=r"encoded id 5, which has no raw item id.*below 6"):
+        vocabulary.decode(np.array([[7, 5]]))
+
+
+def test_item_ids_without_categorify_are_refused(tmp_path):
+    import nvtabular as nvt
+    from merlin.io import Dataset
+    from merlin.schema import Tags
+
+    raw = factories.raw_sessions(20, np.random.default_rng(0))
+    tagged = [ITEM] >> nvt.ops.AddTags([Tags.ITEM_ID, Tags.CATEGORICAL])
+    categories = ["category-list"] >> nvt.ops.Categorify(out_path=str(tmp_path))
+    workflow = nvt.Workflow(tagged + categories)
+    workflow.fit(Dataset(raw))
+    with pytest.raises(SchemaMismatchError, match=r"'item_id-list' is not encoded by a Categ"):
+        DecodeItemIds(workflow)
+    with pytest.raises(SchemaMismatchError, match=r"Tags.ITEM_ID, it tags \[\]"):
+        DecodeItemIds(nvt.Workflow(categories))
+
+
+def test_a_parent_without_item_ids_is_refused(session_workflow):
+    from merlin.schema import ColumnSchema, Schema
+    from merlin.systems.dag import Ensemble
+
+    workflow, _, _ = session_workflow
+    schema = Schema([ColumnSchema("item_id_scores", dtype=np.float32, dims=(None, TOP_K))])
+    with pytest.raises(SchemaMismatchError, match=r"needs column 'item_ids'.*\['item_id_scores'"):
+        Ensemble(schema.column_names >> DecodeItemIds(workflow), schema)
+
+
+# -- the artifact ----------------------------------------------------------------------------
+def test_vocabulary_is_a_checked_artifact_outside_ensemble_pkl(tmp_path, string_session_workflow):
+    from merlin.dag import postorder_iter_nodes
+    from merlin.systems.dag import Ensemble
+
+    workflow, _, _ = string_session_workflow
+    factories.decode_ensemble(workflow, TOP_K).export(str(tmp_path))
+    ensemble_dir = tmp_path / "executor_model" / "1" / "ensemble"
+    assert b"sku-" not in (ensemble_dir / "ensemble.pkl").read_bytes()
+    (artifact,) = ensemble_dir.glob("item_vocabulary_*")
+    assert {p.name for p in artifact.iterdir()} == {
+        "manifest.json", "raw_ids.parquet", "vocabulary.json"}
+
+    # The local runtime loads the exported vocabulary just as the Triton executor does.
+    loaded = Ensemble.load(str(ensemble_dir))
+    (op,) = [node.op for node in postorder_iter_nodes(loaded.graph.output_node)
+             if isinstance(node.op, DecodeItemIds)]
+    assert op.vocabulary is None
+    op.load_artifacts(str(ensemble_dir))
+    table = unique_values(workflow)
+    codes = table.index.to_numpy()[:TOP_K].reshape(1, -1).astype(np.int32)
+    scores = np.linspace(1, 0, TOP_K, dtype=np.float32).reshape(1, -1)
+    out = loaded.transform(pd.DataFrame({"item_ids": list(codes), "item_id_scores": list(scores)}))
+    np.testing.assert_array_equal(stacked(out, "item_ids"), table.to_numpy()[None, :TOP_K])
+
+    data = bytearray((artifact / "raw_ids.parquet").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (artifact / "raw_ids.parquet").write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="raw_ids.parquet"):
+        pickle.loads(pickle.dumps(op)).load_artifacts(str(ensemble_dir))
+
+
+# -- the local runtime ------------------------------------------------------------------------
+@pytest.mark.parametrize("exclude_seen", [True, False])
+def test_local_runtime_returns_raw_ids(any_workflow, exclude_seen):
+    workflow, model, raw = any_workflow
+    df = raw.head(30).reset_index(drop=True)
+    ensemble = factories.workflow_ensemble(workflow, model, top_k=TOP_K,
+                                           exclude_seen=exclude_seen, decode=True)
+    assert_same_top_k(ensemble.transform(df), reference_top_k(workflow, model, df, exclude_seen))
+
+
+def test_local_runtime_excludes_items_cropped_from_long_sessions(session_workflow):
+    workflow, model, raw = session_workflow
+    longer, heads = with_recommendations_in_front(workflow, model, raw)
+    ensemble = factories.workflow_ensemble(workflow, model, top_k=TOP_K, exclude_seen=True,
+                                           decode=True)
+    got = ensemble.transform(longer)
+    assert_same_top_k(got, reference_top_k(workflow, model, longer, exclude_seen=True))
+    for row, head in zip(stacked(got, "item_ids"), heads):
+        assert set(row).isdisjoint(head)
+
+
+# -- Triton ---------------------------------------------------------------------------------
+def _decode_request(client, model_name, codes, scores):
+    response = client.infer(model_name, arrays_to_inputs(
+        {"item_ids": codes.astype(np.int32), "item_id_scores": scores}))
+    return {name: response.as_numpy(name) for name in ("item_ids", "item_id_scores")}
+
+
+@pytest.mark.parametrize("kind", ["int64", "string"])
+def test_triton_decodes_ids_and_passes_scores_through(request, kind, session_workflow,
+                                                      string_session_workflow):
+    client = request.getfixturevalue("client" if kind == "int64" else "string_client")
+    workflow = (session_workflow if kind == "int64" else string_session_workflow)[0]
+    table = unique_values(workflow)
+    rng = np.random.default_rng(11)
+    codes = rng.choice(table.index.to_numpy(), size=(64, TOP_K))
+    scores = rng.standard_normal((64, TOP_K)).astype(np.float32)
+    name = "decode_only" + ("" if kind == "int64" else "_str")
+    raw = _decode_request(client, name, codes, scores)
+    expected = table.loc[codes.reshape(-1)].to_numpy().reshape(codes.shape)
+    if kind == "string":
+        assert raw["item_ids"].dtype == object and isinstance(raw["item_ids"][0, 0], bytes)
+        expected = np.char.encode(expected.astype(str), "utf-8").astype(object)
+    np.testing.assert_array_equal(raw["item_ids"], expected)
+    np.testing.assert_array_equal(raw["item_id_scores"], scores)  # untouched, bit for bit
+
+
+def test_triton_declares_raw_dtypes(client, string_client):
+    def item_ids(c, name):
+        outputs = c.get_model_metadata(name, as_json=True)["outputs"]
+        return next(o for o in outputs if o["name"] == "item_ids")
+
+    assert item_ids(client, "session_decoded")["datatype"] == "INT64"
+    assert item_ids(string_client, "session_decoded_str")["datatype"] == "BYTES"
+    assert item_ids(client, "session_decoded")["shape"][-1] == str(TOP_K)
+
+
+def test_triton_reserved_id_is_an_error_and_the_server_keeps_serving(client, session_workflow):
+    from tritonclient.utils import InferenceServerException
+
+    table = unique_values(session_workflow[0])
+    codes = np.tile(table.index.to_numpy()[:TOP_K], (2, 1))
+    scores = np.zeros((2, TOP_K), np.float32)
+    codes[1, 4] = 1
+    with pytest.raises(InferenceServerException, match=r"encoded id 1, which has no raw item"):
+        _decode_request(client, "decode_only", codes, scores)
+    ok = _decode_request(client, "decode_only", codes[:1], scores[:1])
+    np.testing.assert_array_equal(ok["item_ids"][0], table.to_numpy()[:TOP_K])
+
+
+@pytest.mark.parametrize("exclude_seen", [True, False])
+def test_triton_serves_raw_int64_ids(client, session_workflow, exclude_seen):
+    workflow, model, raw = session_workflow
+    df = raw.sample(40, random_state=1).reset_index(drop=True)
+    name = "session_decoded" if exclude_seen else "session_decoded_all"
+    served = infer_dataframe(client, df, model_name=name)
+    assert stacked(served, "item_ids").dtype == np.int64
+    assert_same_top_k(served, reference_top_k(workflow, model, df, exclude_seen))
+
+
+def test_triton_serves_raw_string_ids(string_client, string_session_workflow):
+    workflow, model, raw = string_session_workflow
+    df = raw.sample(40, random_state=2).reset_index(drop=True)
+    served = infer_dataframe(string_client, df, model_name="session_decoded_str")
+    assert isinstance(served["item_ids"][0][0], str)
+    assert_same_top_k(served, reference_top_k(workflow, model, df, exclude_seen=True))
+
+
+def test_triton_excludes_items_cropped_from_long_sessions(client, session_workflow):
+    workflow, model, raw = session_workflow
+    longer, heads = with_recommendations_in_front(workflow, model, raw)
+    assert longer[ITEM].map(len).min() > factories.SEQ_LEN
+    served = infer_dataframe(client, longer, model_name="session_decoded")
+    assert_same_top_k(served, reference_top_k(workflow, model, longer, exclude_seen=True))
+    for row, head in zip(stacked(served, "item_ids"), heads):
+        assert set(row).isdisjoint(head)
