@@ -1,4 +1,4 @@
-"""Pieces both examples share: synthetic shop events, the NVTabular ETL, serving and decoding.
+"""Pieces both examples share: synthetic shop events, the NVTabular ETL and serving.
 
 The ETL is two workflows, the way a Merlin user splits offline and online work:
 
@@ -17,7 +17,7 @@ not be applied to an ``item_id-list`` request column without copying its statist
 
 import time
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, Sequence
 
 import numpy as np
 import pandas as pd
@@ -25,8 +25,6 @@ import pandas as pd
 ITEM = "item_id-list"
 CATEGORY = "category-list"
 FEATURES = [ITEM, CATEGORY]
-# Categorify (NVTabular 23.08) reserves encoded ids 0 (padding), 1 (null) and 2 (OOV).
-RESERVED_IDS = 3
 
 
 def generate_events(
@@ -174,37 +172,22 @@ def run_etl(events: pd.DataFrame, output_dir: Path, *, max_length: int, min_leng
             "categories": output_dir / "categories"}
 
 
-def item_vocabulary(categories_dir) -> np.ndarray:
-    """Raw item id of every encoded id: ``vocab[encoded]``; reserved ids hold -1.
-
-    The unique-values file's index IS the encoded id (it starts at ``RESERVED_IDS``).
-    """
-    (path,) = sorted(Path(categories_dir).glob("unique.item_id*.parquet"))
-    unique = pd.read_parquet(path)[ITEM]
-    vocabulary = np.full(int(unique.index.max()) + 1, -1, dtype=np.int64)
-    vocabulary[unique.index.to_numpy()] = unique.to_numpy(dtype=np.int64)
-    return vocabulary
-
-
-def decode(encoded_rows, vocabulary: np.ndarray, k: int) -> List[List[int]]:
-    """Each row's first ``k`` encoded ids that are real items, as the shop's raw ids."""
-    decoded = []
-    for row in encoded_rows:
-        real = [int(vocabulary[i]) for i in row if 0 <= i < len(vocabulary) and vocabulary[i] >= 0]
-        decoded.append(real[:k])
-    return decoded
-
-
 def build_ensemble(workflow, model, top_k: int = None):
-    """``raw sessions >> TransformWorkflow(workflow) >> PredictT4RPyTorch(model)``."""
+    """``raw sessions >> TransformWorkflow(workflow) >> PredictT4RPyTorch(model)``, and with
+    ``top_k`` ``>> DecodeItemIds(workflow)``: the shop's own ids of the best items that are
+    not in the session (Categorify's reserved ids never come back)."""
     from merlin.systems.dag import Ensemble
     from merlin.systems.dag.ops.workflow import TransformWorkflow
 
-    from merlin_t4r_ops import PredictT4RPyTorch
+    from merlin_t4r_ops import DecodeItemIds, PredictT4RPyTorch
 
     model.eval().cpu()
-    pipeline = (workflow.input_schema.column_names >> TransformWorkflow(workflow)
-                >> PredictT4RPyTorch(model, top_k=top_k))
+    pipeline = workflow.input_schema.column_names >> TransformWorkflow(workflow)
+    if top_k is None:
+        pipeline = pipeline >> PredictT4RPyTorch(model)
+    else:
+        pipeline = (pipeline >> PredictT4RPyTorch(model, top_k=top_k, exclude_seen=True)
+                    >> DecodeItemIds(workflow))
     return Ensemble(pipeline, workflow.input_schema)
 
 

@@ -2,8 +2,9 @@
 
 Synthetic shop events -> NVTabular ETL (sessionize, Categorify) -> an XLNet next-item model
 trained with :func:`merlin_t4r_ops.training.fit` -> an exported Merlin Systems ensemble
-(``TransformWorkflow >> PredictT4RPyTorch``) -> a real ``tritonserver`` -> raw sessions in,
-each session's top-20 items out, in the shop's own item ids.
+(``TransformWorkflow >> PredictT4RPyTorch >> DecodeItemIds``) -> a real ``tritonserver`` -> raw
+sessions in, each session's top-20 items out, in the shop's own item ids and without the
+items already in the session: the client decodes nothing.
 
 Run ``python examples/session_based.py --help`` for the size flags.
 """
@@ -74,7 +75,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    """Run the example; return metrics, decoded recommendations and the Triton comparison."""
+    """Run the example; return metrics, the served recommendations and the Triton comparison."""
     from merlin_t4r_ops.training import fit
 
     args = parse_args(argv)
@@ -100,12 +101,11 @@ def main(argv=None) -> dict:
     print(f"held-out NDCG@{K}={metrics[f'ndcg@{K}']:.4f}  Recall@{K}={metrics[f'recall@{K}']:.4f}"
           f"  (popularity Recall@{K}={baseline[f'recall@{K}']:.4f})", flush=True)
 
-    # A few more than K, so that K real items remain after dropping Categorify's reserved
-    # ids (padding, null, OOV): the model scores those too, and they are no shop's items.
     # Requests are sessions as the shop stores them: lists of RAW ids, already grouped.
+    # The server answers in raw ids too, without the items already in the session.
     requests = etl["eval_raw"][common.FEATURES].head(args.requests)
     answer = common.serve_and_compare(etl["workflow"], model, output_dir / "model_repository",
-                                      requests, top_k=K + common.RESERVED_IDS)
+                                      requests, top_k=K)
     served, local = answer["served"], answer["local"]
     ids, scores = common.stacked(served, "item_ids"), common.stacked(served, "item_id_scores")
     agreement = {
@@ -114,7 +114,7 @@ def main(argv=None) -> dict:
         "scores_close": bool(np.allclose(scores, common.stacked(local, "item_id_scores"),
                                          rtol=1e-5, atol=1e-6)),
     }
-    recommendations = common.decode(ids, common.item_vocabulary(etl["categories"]), K)
+    recommendations = ids.tolist()
     for session, top in zip(requests[common.ITEM], recommendations):
         print(f"session {list(session)[-3:]} (last 3 items) -> top-{K}: {top}")
     print(f"Triton vs in-process: {agreement}; server ready in {answer['server_seconds']:.1f} s")

@@ -90,6 +90,13 @@ def test_vocabulary_is_the_unique_values_table(any_workflow):
     assert op.vocabulary.first_id == table.index.min() == 3  # 0 pad, 1 null, 2 OOV
 
 
+def test_decode_inverts_the_workflows_encoding(any_workflow):
+    workflow, _, raw = any_workflow
+    codes = np.concatenate(encode(workflow, raw)[ITEM].to_list())
+    np.testing.assert_array_equal(DecodeItemIds(workflow).vocabulary.decode(codes),
+                                  np.concatenate(raw[ITEM].to_list()))
+
+
 def test_decode_inverts_categorify_with_large_ids_and_oov_buckets(tmp_path):
     """Raw ids beyond int32, rare items hashed into 4 OOV buckets: the reserved ids are what
     this Categorify reserves (0 to 5), not a constant. (NVTabular 23.08 cannot hash list
