@@ -1,11 +1,14 @@
 """Serving latency of a T4R next-item model: eager floor vs Merlin's local runtime vs Triton.
 
-Four paths side by side, for the same sessions:
+Five paths side by side, for the same sessions:
 
-* ``eager``       the floor: ``model(padded tensors)`` under ``torch.inference_mode``;
-* ``local``       ``ensemble.transform(TensorTable)``, Merlin's in-process runtime;
-* ``triton-full`` tritonserver over gRPC on 127.0.0.1, full score matrix back;
-* ``triton-top``  the same, returning the top ``--top-k`` items and their scores.
+* ``eager``          the floor: ``model(padded tensors)`` under ``torch.inference_mode``;
+* ``local``          ``ensemble.transform(TensorTable)``, Merlin's in-process runtime;
+* ``triton-full``    tritonserver over gRPC on 127.0.0.1, full score matrix back;
+* ``triton-top``     the same, returning the top ``--top-k`` items and their scores;
+* ``triton-decoded`` the top-k with the session's items masked (``exclude_seen=True``) and
+  ``DecodeItemIds`` mapping the ids to int64 raw ids through a Categorify vocabulary of
+  the whole catalogue. A second table gives its p50 against ``triton-top``.
 
 The Triton paths are timed from a pandas DataFrame of sessions to numpy outputs: the
 client's encoding (``dataframe_to_inputs``) and decoding (``as_numpy``) are part of the
@@ -21,6 +24,8 @@ Usage::
     python benchmarks/serving.py --output-dir results/          # 50k items, the full grid
     python benchmarks/serving.py --quick --output-dir /tmp/sb   # small smoke run
     python benchmarks/serving.py --device cuda --instances 2    # two Triton GPU instances
+    python benchmarks/serving.py --paths triton-top,triton-decoded --batch-sizes 1,64,256 \
+        --concurrency 1                                         # the cost of masking + decoding
 """
 
 import argparse
@@ -38,7 +43,8 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests")]  # the tests' factories
 
-PATHS = ("eager", "local", "triton-full", "triton-top")
+PATHS = ("eager", "local", "triton-full", "triton-top", "triton-decoded")
+TRITON_MODELS = {"triton-full": "full", "triton-top": "top", "triton-decoded": "decoded"}
 
 
 def parse_args(argv=None):
@@ -52,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--batch-sizes", default="1,16,64,256")
     p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--paths", default=",".join(PATHS),
+                   help="comma-separated paths to time; eager, the floor, always runs")
     p.add_argument("--requests", type=int, default=200, help="most requests per cell")
     p.add_argument("--seconds", type=float, default=4.0, help="most seconds per cell")
     p.add_argument("--warmup", type=int, default=5, help="untimed requests per thread")
@@ -66,6 +74,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.items, args.requests, args.seconds, args.warmup, args.rounds = 1_000, 32, 1.0, 2, 2
+    args.paths = ["eager"] + [path for path in args.paths.split(",") if path != "eager"]
+    unknown = set(args.paths) - set(PATHS)
+    if unknown:
+        p.error(f"--paths: unknown {sorted(unknown)}; choose from {', '.join(PATHS)}")
     return args
 
 
@@ -86,16 +98,43 @@ def build_model(args, device):
     return tr.Model(head, max_sequence_length=args.seq_len).eval().to(device)
 
 
+def catalogue_workflow(items, directory):
+    """A fitted Categorify whose vocabulary is the whole catalogue of the model.
+
+    Encoded ids 3 .. ``items - 1`` (0-2 are Categorify's reserved ids) get large, sparse int64
+    raw ids, so that ``DecodeItemIds`` does the work a shop's vocabulary asks of it.
+    """
+    import nvtabular as nvt
+    import pandas as pd
+    from merlin.io import Dataset
+    from merlin.schema import Tags
+
+    raw_ids = 10_000_000_000 + 7_919 * np.arange(items - 3, dtype=np.int64)
+    encode = (["item_id-list"] >> nvt.ops.Categorify(out_path=str(directory))
+              >> nvt.ops.AddTags([Tags.ITEM_ID, Tags.CATEGORICAL, Tags.LIST]))
+    workflow = nvt.Workflow(encode)
+    workflow.fit(Dataset(pd.DataFrame({"item_id-list": [raw_ids]}), npartitions=1))
+    return workflow
+
+
 def export_repository(model, args, device, path):
-    """Export the full-score and top-k ensembles; optionally set their instance count."""
+    """Export the ensemble of each Triton path; optionally set their instance count."""
     from merlin.systems.dag import Ensemble
 
-    from merlin_t4r_ops import PredictT4RPyTorch
+    from merlin_t4r_ops import DecodeItemIds, PredictT4RPyTorch
 
     ensembles = {}
-    for name, top_k in (("full", None), ("top", args.top_k)):
-        op = PredictT4RPyTorch(model, top_k=top_k, device=str(device))
-        ensembles[name] = Ensemble(model.input_schema.column_names >> op, model.input_schema)
+    for path_name, name in TRITON_MODELS.items():
+        if path_name not in args.paths and not (name == "full" and "local" in args.paths):
+            continue
+        top_k = None if name == "full" else args.top_k
+        pipeline = model.input_schema.column_names >> PredictT4RPyTorch(
+            model, top_k=top_k, exclude_seen=name == "decoded", device=str(device))
+        if name == "decoded":
+            decode = DecodeItemIds(catalogue_workflow(args.items, Path(path) / "catalogue"))
+            assert len(decode.vocabulary.raw_ids) == args.items - 3  # every id decodes
+            pipeline = pipeline >> decode
+        ensembles[name] = Ensemble(pipeline, model.input_schema)
         ensembles[name].export(str(path), name=name)
         if args.instances:
             set_instance_count(Path(path) / name / "config.pbtxt", args.instances)
@@ -172,7 +211,7 @@ def measure_cell(makers, rows, concurrency, args):
     return cells
 
 
-def path_calls(path, df, inputs_dtypes, tensors, ensembles, server, device):
+def path_calls(path, df, inputs_dtypes, tensors, model, ensembles, server, device):
     """A factory of per-thread callables for ``path``; each call returns the response size."""
     import torch
 
@@ -180,7 +219,6 @@ def path_calls(path, df, inputs_dtypes, tensors, ensembles, server, device):
     from merlin_t4r_ops.serving.client import dataframe_arrays, dataframe_to_inputs
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    model = ensembles["full"].graph.output_node.op.model
     if path == "eager":
         def make():
             def call():
@@ -203,7 +241,7 @@ def path_calls(path, df, inputs_dtypes, tensors, ensembles, server, device):
 
     import tritonclient.grpc as grpcclient
 
-    name = "full" if path == "triton-full" else "top"
+    name = TRITON_MODELS[path]
     outputs = ensembles[name].output_schema.column_names
 
     def make():
@@ -238,14 +276,15 @@ def run(args):
     with tempfile.TemporaryDirectory(prefix="serving-bench-") as repo:
         ensembles = export_repository(model, args, device, repo)
         with triton_server(repo, timeout=600) as server:
-            dtypes = _input_dtypes(server.client(), "full")
+            dtypes = _input_dtypes(server.client(), next(iter(ensembles)))
             for batch in batches:
                 df = factories.random_sessions(batch, rng, max_len=args.seq_len,
                                                items=args.items, categories=100)
                 tensors = {k: v.to(device) for k, v in
                            factories.reference_inputs(df, args.seq_len).items()}
-                makers = {path: path_calls(path, df, dtypes, tensors, ensembles, server, device)
-                          for path in PATHS}
+                makers = {path: path_calls(path, df, dtypes, tensors, model, ensembles, server,
+                                           device)
+                          for path in args.paths}
                 for concurrency in levels:
                     cells = measure_cell(makers, batch, concurrency, args)
                     floor = cells["eager"]["p50_ms"]
@@ -266,6 +305,22 @@ def format_row(r):
     return (f"| {r['path']} | {r['batch']} | {r['concurrency']} | {r['p50_ms']:.2f} | "
             f"{r['p99_ms']:.2f} | {r['rows_per_s']:,.0f} | {r['response_bytes']:,} | "
             f"{r['vs_floor']:.2f}x |")
+
+
+DECODED_HEADER = ("| batch | conc | triton-top p50 ms | triton-decoded p50 ms | ratio |\n"
+                  "|---:|---:|---:|---:|---:|")
+
+
+def decoded_table(rows):
+    """Masking the session's items and decoding to raw ids, against plain top-k (p50)."""
+    p50 = {(r["path"], r["batch"], r["concurrency"]): r["p50_ms"] for r in rows}
+    lines = [DECODED_HEADER]
+    for (path, batch, concurrency), decoded in p50.items():
+        top = p50.get(("triton-top", batch, concurrency))
+        if path == "triton-decoded" and top:
+            lines.append(f"| {batch} | {concurrency} | {top:.2f} | {decoded:.2f} | "
+                         f"{decoded / top:.2f}x |")
+    return "\n".join(lines) if len(lines) > 1 else ""
 
 
 def machine(device):
@@ -296,6 +351,10 @@ def main(argv=None):
                 f"{device}, instances {args.instances or 'as exported'}, torch threads "
                 f"{torch.get_num_threads()}, {args.rounds} rounds")
     table = "\n".join([HEADER] + [format_row(r) for r in rows])
+    decoded = decoded_table(rows)
+    if decoded:
+        print(f"\nexclude_seen + DecodeItemIds vs plain top-{args.top_k}:\n{decoded}")
+        table += f"\n\nexclude_seen + DecodeItemIds vs plain top-{args.top_k}:\n\n{decoded}"
     print(f"\nMachine: {machine(device)}\nSettings: {settings}\n")
     if args.output_dir:
         out = Path(args.output_dir)
