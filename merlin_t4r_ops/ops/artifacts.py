@@ -148,9 +148,9 @@ def _check_listed(directory: Path, files: Dict[str, dict], names: Sequence[str])
 
 def _verified(path: Path, data: bytes, expected: dict) -> bytes:
     if len(data) != expected["bytes"]:
-        size = len(data) if len(data) <= expected["bytes"] else "more than"
+        size = f"{len(data)} bytes" if len(data) < expected["bytes"] else "longer"
         raise ArtifactError(
-            f"{path} is {size} bytes, the manifest expects {expected['bytes']}: "
+            f"{path} is {size}, the manifest expects {expected['bytes']} bytes: "
             "the file is truncated or was changed after export"
         )
     digest = hashlib.sha256(data).hexdigest()
