@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from merlin.dag import postorder_iter_nodes
 from merlin.systems.dag import Ensemble
 from merlin.table import TensorTable
 
@@ -115,11 +114,8 @@ def _export(tmp_path, device=None):
 
 
 def initialize(args, ensemble_path):
-    """What Merlin's executor model does in ``TritonPythonModel.initialize(args)``."""
-    ensemble = Ensemble.load(str(ensemble_path))
-    for node in postorder_iter_nodes(ensemble.graph.output_node, flatten_subgraphs=True):
-        node.op.load_artifacts(str(ensemble_path))
-    return ensemble
+    """Merlin's executor model's ``initialize(args)``: the operators read ``args`` from here."""
+    return factories.load_exported(ensemble_path)
 
 
 @pytest.mark.gpu
