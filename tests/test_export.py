@@ -35,12 +35,16 @@ def _model(kind, seed):
     return factories.next_item_model(kind, seed=seed)
 
 
-def _pattern_batch(kind, rows=16):
+def _pattern_sessions(rows=16):
     rng = np.random.default_rng(0)
     df = factories.random_sessions(rows, rng, min_len=len(PATTERN), max_len=len(PATTERN))
     df["item_id-list"] = [np.array(PATTERN, dtype=np.int64)] * rows
+    return df
+
+
+def _pattern_batch(kind, rows=16):
     targets = {"click": torch.tensor([i % 2 for i in range(rows)], dtype=torch.float32)}
-    return factories.reference_inputs(df), targets if kind == "binary" else None
+    return factories.reference_inputs(_pattern_sessions(rows)), targets if kind == "binary" else None
 
 
 def _train_on_the_pattern(model, kind):
@@ -57,6 +61,11 @@ def _train_on_the_pattern(model, kind):
 
 def _holds_the_pattern(data: bytes) -> bool:
     return any(needle in data for needle in NEEDLES)
+
+
+def _files_holding_the_pattern(repo):
+    return [str(p.relative_to(repo)) for p in sorted(repo.rglob("*"))
+            if p.is_file() and _holds_the_pattern(p.read_bytes())]
 
 
 def _export(model, path, **op_kwargs):
@@ -89,14 +98,22 @@ def test_no_exported_file_holds_the_sessions_the_model_was_trained_on(tmp_path, 
     assert _holds_the_pattern(live.getvalue()), "the trained model itself carries the sessions"
 
     _export(model, tmp_path)
-    files = [p for p in sorted(tmp_path.rglob("*")) if p.is_file()]
-    assert {"ensemble.pkl", "module.pt", "weights.pt", "config.pbtxt"} <= {p.name for p in files}
-    holding = [str(p.relative_to(tmp_path)) for p in files if _holds_the_pattern(p.read_bytes())]
-    assert holding == []
+    exported = {p.name for p in tmp_path.rglob("*")}
+    assert {"ensemble.pkl", "module.pt", "weights.pt", "config.pbtxt"} <= exported
+    assert _files_holding_the_pattern(tmp_path) == []
 
     df = factories.random_sessions(9, np.random.default_rng(2))
     served = _served_scores(factories.load_exported(_ensemble_dir(tmp_path)), df, kind)
     np.testing.assert_allclose(served, _eager(model, df, kind), rtol=1e-6, atol=1e-7)
+
+
+def test_in_process_inference_before_export_leaves_no_request_in_the_export(tmp_path):
+    model = factories.next_item_model("xlnet-causal", seed=53)
+    op = PredictT4RPyTorch(model, top_k=5)
+    ensemble = Ensemble(model.input_schema.column_names >> op, model.input_schema)
+    ensemble.transform(TensorTable.from_df(_pattern_sessions()))  # a request, in process
+    ensemble.export(str(tmp_path))
+    assert _files_holding_the_pattern(tmp_path) == []
 
 
 def test_the_exported_structure_keeps_no_tensor_outside_parameters_and_buffers(tmp_path):
@@ -204,7 +221,7 @@ def test_a_re_exported_repository_of_a_trained_model_serves_it_without_its_sessi
     model = _train_on_the_pattern(_model("xlnet-causal", seed=72), "xlnet-causal")
     op = _export(model, tmp_path)
     assert _folders(tmp_path) == [op._artifact_dir]
-    assert not [p for p in tmp_path.rglob("*") if p.is_file() and _holds_the_pattern(p.read_bytes())]
+    assert _files_holding_the_pattern(tmp_path) == []
 
     df = factories.random_sessions(11, np.random.default_rng(5))
     with triton_server(tmp_path, timeout=120) as server:
