@@ -191,7 +191,8 @@ def test_the_loader_opens_each_file_once_so_a_swap_after_the_check_is_never_load
     df = factories.random_sessions(5, np.random.default_rng(1))
     np.testing.assert_array_equal(factories.eager_scores(loaded, df),
                                   factories.eager_scores(model, df))
-    assert [watch.count(path / n) for n in ("manifest.json", "module.pt", "weights.pt")] == [1, 1, 1]
+    opened = [watch.count(path / n) for n in ("manifest.json", "module.pt", "weights.pt")]
+    assert opened == [1, 1, 1]
 
 
 def _list_in_manifest(directory, name, target):
@@ -227,8 +228,9 @@ def test_a_manifest_listing_a_file_the_saver_does_not_write_is_refused(saved):
     _, path = saved
     (path / "extra.bin").write_bytes(b"x")
     _list_in_manifest(path, "extra.bin", path / "extra.bin")
-    with pytest.raises(ArtifactError, match=r"manifest.json lists 'extra.bin', which is not one "
-                                            r"of the files expected here \(module.pt, weights.pt\)"):
+    with pytest.raises(ArtifactError, match=r"manifest.json lists 'extra.bin', which is not "
+                                            r"one of the files expected here "
+                                            r"\(module.pt, weights.pt\)"):
         load_model(path, torch.device("cpu"))
 
 

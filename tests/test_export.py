@@ -43,8 +43,8 @@ def _pattern_sessions(rows=16):
 
 
 def _pattern_batch(kind, rows=16):
-    targets = {"click": torch.tensor([i % 2 for i in range(rows)], dtype=torch.float32)}
-    return factories.reference_inputs(_pattern_sessions(rows)), targets if kind == "binary" else None
+    clicks = {"click": torch.tensor([i % 2 for i in range(rows)], dtype=torch.float32)}
+    return factories.reference_inputs(_pattern_sessions(rows)), clicks if kind == "binary" else None
 
 
 def _train_on_the_pattern(model, kind):
