@@ -133,12 +133,25 @@ def test_gpu_instance_loads_on_its_gpu_and_answers_like_eager(tmp_path, device):
 
 
 _SECOND_GPU = textwrap.dedent("""
-    import sys, torch
+    import sys, numpy as np, torch
     sys.path.insert(0, {tests!r})
-    from test_device import initialize, triton_args
-    ensemble = initialize(triton_args("GPU", 1, "executor_model_0_1"), {path!r})
+    import t4r_factories as factories
+    from merlin.dag import ColumnSelector
+    from merlin.systems.dag import Ensemble
+    from merlin.table import TensorTable
+    from test_device import triton_args
+
+    ensemble = Ensemble.load({path!r})  # Merlin's imports may touch CUDA themselves
     op = ensemble.graph.output_node.op
-    print(op.device, torch.cuda.current_device(), torch._C._cuda_hasPrimaryContext(0))
+    before = torch._C._cuda_hasPrimaryContext(0)
+
+    def initialize(args):
+        op.load_artifacts({path!r})
+
+    initialize(triton_args("GPU", 1, "executor_model_0_1"))
+    df = factories.random_sessions(4, np.random.default_rng(0))
+    op.transform(ColumnSelector(), TensorTable.from_df(df))
+    print(op.device, torch.cuda.current_device(), before, torch._C._cuda_hasPrimaryContext(0))
 """)
 
 
@@ -146,10 +159,12 @@ _SECOND_GPU = textwrap.dedent("""
 @needs_gpus
 @pytest.mark.parametrize("device", [None, "cuda"])
 def test_instance_on_gpu_1_leaves_gpu_0_alone(tmp_path, device):
-    """In a fresh process, as in a Triton stub: the model, the current device, no GPU 0 context."""
+    """In a fresh process, as in a Triton stub: loading and answering open no context on GPU 0."""
     _, path = _export(tmp_path, device)
     script = _SECOND_GPU.format(tests=str(Path(__file__).parent), path=str(path))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split()[-3:] == ["cuda:1", "1", "False"]
+    placed_on, current, before, after = result.stdout.split()[-4:]
+    assert (placed_on, current) == ("cuda:1", "1")
+    assert after == before, "loading or answering on GPU 1 opened a context on GPU 0"
