@@ -22,6 +22,8 @@ import t4r_factories as factories
 from merlin_t4r_ops import PredictT4RPyTorch
 from merlin_t4r_ops.errors import T4ROpsError
 from merlin_t4r_ops.ops.device import choose_device, instance_placement, resolve_device
+from merlin_t4r_ops.serving import triton_server
+from merlin_t4r_ops.serving.client import infer_dataframe
 
 N_GPUS = torch.cuda.device_count()
 needs_gpu = pytest.mark.skipif(N_GPUS < 1, reason=f"needs a CUDA GPU, found {N_GPUS}")
@@ -130,6 +132,19 @@ def test_gpu_instance_loads_on_its_gpu_and_answers_like_eager(tmp_path, device):
     df = factories.random_sessions(12, np.random.default_rng(0))
     got = np.asarray(ensemble.transform(TensorTable.from_df(df))["next-item"].values)
     np.testing.assert_allclose(got, factories.eager_scores(model, df), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_triton_runs_a_device_cuda_export_on_its_gpu_instance(tmp_path):
+    model, _ = _export(tmp_path, "cuda")
+    df = factories.random_sessions(12, np.random.default_rng(1))
+    with triton_server(tmp_path, timeout=300) as server:
+        served = infer_dataframe(server.client(), df)
+        logs = server.logs()
+    assert "PredictT4RPyTorch in executor_model_0_0 (KIND_GPU, device 0) runs on cuda:0" in logs
+    np.testing.assert_allclose(np.stack(served["next-item"].to_list()),
+                               factories.eager_scores(model, df), rtol=1e-4, atol=1e-5)
 
 
 _SECOND_GPU = textwrap.dedent("""

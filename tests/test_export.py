@@ -226,5 +226,9 @@ def test_a_re_exported_repository_of_a_trained_model_serves_it_without_its_sessi
     df = factories.random_sessions(11, np.random.default_rng(5))
     with triton_server(tmp_path, timeout=120) as server:
         served = infer_dataframe(server.client(), df)
+        # The args Triton really passes were read (KIND_AUTO is a GPU instance where there is one).
+        where = "KIND_GPU, device 0) runs on cuda:0" if torch.cuda.is_available() else \
+            "KIND_CPU, device 0) runs on cpu"
+        assert f"PredictT4RPyTorch in executor_model_0_0 ({where}" in server.logs()
     np.testing.assert_allclose(np.stack(served["next-item"].to_list()),
                                factories.eager_scores(model, df), rtol=1e-5, atol=1e-6)
