@@ -108,6 +108,15 @@ def test_fit_loader_trainer_loader_and_operator_keep_the_same_most_recent_items(
                                trained_view, rtol=1e-6)
 
 
+def test_trainer_refuses_the_pyarrow_loader_which_keeps_the_oldest_items(long_sessions, tmp_path):
+    args = make_args(str(tmp_path), max_sequence_length=WIDTH, data_loader_engine="pyarrow")
+    trainer = Trainer(model=long_sessions["model"], args=args, strategy="single",
+                      schema=long_sessions["schema"], eval_dataset_or_path=long_sessions["files"])
+    with pytest.raises(ValueError, match=r"data_loader_engine='pyarrow' crops sessions .* "
+                                         r"keeping the oldest items; .* supports 'merlin' only"):
+        trainer.get_eval_dataloader()
+
+
 def test_crop_and_pad_gives_torch_for_torch_and_numpy_for_numpy():
     values, lengths = np.arange(1, 16), np.array([12, 0, 3])
     expected = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [0] * 10, [13, 14, 15] + [0] * 7]
