@@ -108,6 +108,26 @@ def test_fit_loader_trainer_loader_and_operator_keep_the_same_most_recent_items(
                                trained_view, rtol=1e-6)
 
 
+def test_right_padded_fixed_width_lists_are_cropped_alike_in_the_loader_and_the_operator(
+    long_sessions, tmp_path
+):
+    """NVTabular's ``ListSlice(-n, pad=True)`` writes fixed-width lists right-padded with 0."""
+    model, n = long_sessions["model"], 16
+    padded = {name: np.array([list(s) + [0] * (n - len(s)) for s in long_sessions["df"][name]])
+              for name in ("item_id-list", "category-list")}
+    pd.DataFrame({k: list(v) for k, v in padded.items()}).to_parquet(tmp_path / "part.parquet")
+    fixed = Schema([c.with_shape((None, n)) for c in long_sessions["schema"]])
+    TensorflowMetadata.from_merlin_schema(fixed).to_proto_text_file(str(tmp_path))
+
+    batch, _ = next(iter(make_loader(str(tmp_path), model, resolve_strategy("single"),
+                                     batch_size=len(SESSIONS))))
+    served = to_model_inputs(TensorTable(padded), input_specs(model.input_schema), WIDTH, CPU)
+    for name in padded:
+        expected = _most_recent(long_sessions["df"][name], WIDTH)
+        assert batch[name].tolist() == expected, f"fit loader, {name}"
+        assert served[name].tolist() == expected, f"operator, {name}"
+
+
 def test_trainer_refuses_the_pyarrow_loader_which_keeps_the_oldest_items(long_sessions, tmp_path):
     args = make_args(str(tmp_path), max_sequence_length=WIDTH, data_loader_engine="pyarrow")
     trainer = Trainer(model=long_sessions["model"], args=args, strategy="single",
