@@ -15,6 +15,7 @@ from merlin_t4r_ops.ops.device import make_current, resolve_device
 from merlin_t4r_ops.ops.export_folders import new_folder_name, replacing_earlier_exports
 from merlin_t4r_ops.ops.inputs import input_specs, to_model_inputs
 from merlin_t4r_ops.ops.skeleton import holds_any
+from merlin_t4r_ops.sequence import resolve_sequence_length
 
 __all__ = ["PredictT4RPyTorch"]
 
@@ -28,20 +29,6 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     ):
         model = model.module
     return model
-
-
-def _sequence_length(model, schema: Schema, requested: Optional[int]) -> int:
-    if requested:
-        return int(requested)
-    if getattr(model, "max_sequence_length", None):
-        return int(model.max_sequence_length)
-    for column in schema:
-        if column.is_list and column.shape.dims and column.shape.dims[1].max:
-            return int(column.shape.dims[1].max)
-    raise T4ROpsError(
-        "max_sequence_length is unknown: the model has none and its schema's list columns "
-        "declare no maximum length; pass max_sequence_length="
-    )
 
 
 class PredictT4RPyTorch(BaseOperator):
@@ -62,7 +49,9 @@ class PredictT4RPyTorch(BaseOperator):
         the encoded ids the model scores) and ``item_id_scores`` (float32), each
         ``[batch, top_k]``, instead of the full score matrix.
     max_sequence_length : int, optional
-        Width the session lists are padded or cropped to; default the model's own.
+        Width the session lists are padded or cropped to (most recent items kept); default
+        the model's own, found as training finds it
+        (:func:`merlin_t4r_ops.sequence.resolve_sequence_length`).
     device : str or torch.device, optional
         Where the model runs. Default: the device of the Triton model instance (a GPU
         instance gets its own GPU), else the CPU.
@@ -97,8 +86,9 @@ class PredictT4RPyTorch(BaseOperator):
         self._output_schema = Schema(list(
             output_schema if output_schema is not None else self._default_output_schema()
         ))
-        self.max_sequence_length = _sequence_length(
-            self.model, self._input_schema, max_sequence_length
+        self.max_sequence_length = resolve_sequence_length(
+            self.model, self._input_schema, requested=max_sequence_length,
+            required_for="the operator pads every request to one width",
         )
         self.requested_device = None if device is None else str(device)
         self._specs = input_specs(self._input_schema)
