@@ -162,3 +162,14 @@ def decode_ensemble(workflow, top_k: int):
     schema = Schema([ColumnSchema("item_ids", dtype=np.int32, dims=(None, top_k)),
                      ColumnSchema("item_id_scores", dtype=np.float32, dims=(None, top_k))])
     return Ensemble(schema.column_names >> DecodeItemIds(workflow), schema)
+
+
+def load_exported(ensemble_path):
+    """Load an exported ensemble the way Merlin's executor model does in ``initialize``."""
+    from merlin.dag import postorder_iter_nodes
+    from merlin.systems.dag import Ensemble
+
+    ensemble = Ensemble.load(str(ensemble_path))
+    for node in postorder_iter_nodes(ensemble.graph.output_node, flatten_subgraphs=True):
+        node.op.load_artifacts(str(ensemble_path))
+    return ensemble
