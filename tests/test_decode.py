@@ -159,7 +159,7 @@ def test_vocabulary_is_a_checked_artifact_outside_ensemble_pkl(tmp_path, string_
     assert b"sku-" not in (ensemble_dir / "ensemble.pkl").read_bytes()
     (artifact,) = ensemble_dir.glob("item_vocabulary_*")
     assert {p.name for p in artifact.iterdir()} == {
-        "manifest.json", "raw_ids.parquet", "vocabulary.json"}
+        "manifest.json", "raw_ids.parquet", "vocabulary.json", "export.json"}
 
     # The local runtime loads the exported vocabulary just as the Triton executor does.
     loaded = Ensemble.load(str(ensemble_dir))
@@ -178,6 +178,21 @@ def test_vocabulary_is_a_checked_artifact_outside_ensemble_pkl(tmp_path, string_
     (artifact / "raw_ids.parquet").write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match="raw_ids.parquet"):
         pickle.loads(pickle.dumps(op)).load_artifacts(str(ensemble_dir))
+
+
+def test_re_export_replaces_the_earlier_vocabulary_and_keeps_the_model(tmp_path,
+                                                                      session_workflow):
+    from merlin.dag import postorder_iter_nodes
+
+    workflow, model, _ = session_workflow
+    factories.workflow_ensemble(workflow, model, top_k=TOP_K, decode=True).export(str(tmp_path))
+    ensemble = factories.workflow_ensemble(workflow, model, top_k=TOP_K, decode=True)
+    ensemble.export(str(tmp_path))
+    ensemble_dir = tmp_path / "executor_model" / "1" / "ensemble"
+    folders = sorted(node.op._artifact_dir for node in postorder_iter_nodes(
+        ensemble.graph.output_node) if hasattr(node.op, "_artifact_dir"))
+    assert folders[0].startswith("item_vocabulary_") and folders[1].startswith("t4r_model_")
+    assert sorted(p.name for p in ensemble_dir.iterdir() if p.is_dir()) == folders
 
 
 # -- the local runtime ------------------------------------------------------------------------

@@ -1,6 +1,5 @@
 """``DecodeItemIds``: turn the encoded ``item_ids`` of a top-k into the shop's own item ids."""
 
-import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -10,9 +9,14 @@ from merlin.dag import BaseOperator, ColumnSelector
 from merlin.schema import Schema
 from merlin.table import TensorTable
 from merlin_t4r_ops.errors import SchemaMismatchError, T4ROpsError
-from merlin_t4r_ops.ops._checked_standin import read_checked, write_checked
+from merlin_t4r_ops.ops.artifacts import read_checked, write_checked
+from merlin_t4r_ops.ops.export_folders import (
+    VOCABULARY_PREFIX,
+    new_folder_name,
+    replacing_earlier_exports,
+)
 from merlin_t4r_ops.ops.predict_t4r import TOP_K_IDS
-from merlin_t4r_ops.ops.vocabulary import RAW_IDS_FILE, VOCABULARY_FILE, ItemVocabulary
+from merlin_t4r_ops.ops.vocabulary import VOCABULARY_FILES, ItemVocabulary
 
 __all__ = ["DecodeItemIds"]
 
@@ -50,7 +54,7 @@ class DecodeItemIds(BaseOperator):
         self.vocabulary = ItemVocabulary.from_workflow(workflow, column)
         self.column = self.vocabulary.column
         self.raw_dtype = self.vocabulary.dtype
-        self._artifact_dir = f"item_vocabulary_{uuid.uuid4().hex[:12]}"
+        self._artifact_dir = new_folder_name(VOCABULARY_PREFIX)
 
     # -- graph contract ------------------------------------------------------------------
     def compute_input_schema(
@@ -91,10 +95,14 @@ class DecodeItemIds(BaseOperator):
         return state
 
     def save_artifacts(self, artifact_path=None) -> None:
-        """Write the vocabulary and a manifest of its digests under ``artifact_path``."""
+        """Write the vocabulary and a manifest of its digests under ``artifact_path``.
+
+        Replaces the folders an earlier export of this package left there, and nothing else.
+        """
         if artifact_path is None:
             raise T4ROpsError("save_artifacts needs artifact_path, got None")
-        write_checked(Path(artifact_path) / self._artifact_dir, self.vocabulary.to_files())
+        with replacing_earlier_exports(artifact_path, self._artifact_dir) as folder:
+            write_checked(folder, self.vocabulary.to_files())
 
     def load_artifacts(self, artifact_path=None) -> None:
         """Verify and load the vocabulary written by :meth:`save_artifacts`."""
@@ -104,8 +112,7 @@ class DecodeItemIds(BaseOperator):
             if getattr(self, "vocabulary", None) is None:
                 raise T4ROpsError("load_artifacts needs the export's artifact_path, got none")
             return
-        files = read_checked(Path(artifact_path) / self._artifact_dir,
-                             [RAW_IDS_FILE, VOCABULARY_FILE])
+        files = read_checked(Path(artifact_path) / self._artifact_dir, VOCABULARY_FILES)
         self.vocabulary = ItemVocabulary.from_files(files)
 
     # -- inference -----------------------------------------------------------------------

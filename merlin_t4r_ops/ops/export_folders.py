@@ -3,9 +3,10 @@
 ``Ensemble.export`` calls every operator's ``save_artifacts`` into one directory and writes
 ``ensemble.pkl`` only after the last of them. While an export runs, ``ensemble.pkl`` is
 therefore still the previous export's, and its SHA-256 names the export in progress (its
-*generation*): every ``PredictT4RPyTorch`` of one ensemble sees the same one, whereas a
+*generation*): every operator of this package in one ensemble sees the same one, whereas a
 folder left by an earlier export carries an earlier one. Each folder records its generation
-in ``export.json``, and a folder this package wrote (``t4r_model_<12 hex>`` holding our
+in ``export.json``, and a folder this package wrote (``t4r_model_<12 hex>`` of
+``PredictT4RPyTorch`` or ``item_vocabulary_<12 hex>`` of ``DecodeItemIds``, holding our
 ``manifest.json``) whose generation differs is removed, file by file: nothing else in the
 directory is touched, not even a stranger's file inside one of our folders.
 """
@@ -19,19 +20,23 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from merlin_t4r_ops.ops.artifacts import MANIFEST_NAME, MODEL_FILES
+from merlin_t4r_ops.ops.vocabulary import VOCABULARY_FILES
 
-__all__ = ["new_folder_name", "replacing_earlier_exports"]
+__all__ = ["new_folder_name", "replacing_earlier_exports", "MODEL_PREFIX", "VOCABULARY_PREFIX"]
 
-_PREFIX = "t4r_model_"
-_FOLDER = re.compile(_PREFIX + r"[0-9a-f]{12}")
+MODEL_PREFIX = "t4r_model_"
+VOCABULARY_PREFIX = "item_vocabulary_"
 _STAMP = "export.json"
 _ENSEMBLE_PICKLE = "ensemble.pkl"
-_OURS = (*MODEL_FILES, MANIFEST_NAME, _STAMP)
+# Each kind of folder and the files this package writes into it.
+_FILES = {MODEL_PREFIX: (*MODEL_FILES, MANIFEST_NAME, _STAMP),
+          VOCABULARY_PREFIX: (*VOCABULARY_FILES, MANIFEST_NAME, _STAMP)}
+_FOLDER = re.compile(f"({'|'.join(_FILES)})[0-9a-f]{{12}}")
 
 
-def new_folder_name() -> str:
-    """A fresh folder name for one operator's artifacts."""
-    return f"{_PREFIX}{uuid.uuid4().hex[:12]}"
+def new_folder_name(prefix: str = MODEL_PREFIX) -> str:
+    """A fresh folder name for one operator's artifacts (``prefix`` names their kind)."""
+    return f"{prefix}{uuid.uuid4().hex[:12]}"
 
 
 def _generation(artifact_path: Path) -> str:
@@ -58,10 +63,11 @@ def _is_ours(folder: Path) -> bool:
 
 
 def _remove(folder: Path) -> None:
-    for name in _OURS:
+    ours = _FILES[_FOLDER.fullmatch(folder.name).group(1)]
+    for name in ours:
         (folder / name).unlink(missing_ok=True)
     for staging in folder.glob(".*.*"):  # left by an interrupted atomic write
-        if any(staging.name.startswith(f".{name}.") for name in _OURS):
+        if any(staging.name.startswith(f".{name}.") for name in ours):
             staging.unlink(missing_ok=True)
     with contextlib.suppress(OSError):  # someone else's file is in it: leave both
         folder.rmdir()

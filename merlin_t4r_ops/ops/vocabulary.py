@@ -24,10 +24,11 @@ import merlin.dtypes as md
 from merlin.schema import Tags
 from merlin_t4r_ops.errors import ArtifactError, SchemaMismatchError, T4ROpsError
 
-__all__ = ["ItemVocabulary", "RAW_IDS_FILE", "VOCABULARY_FILE"]
+__all__ = ["ItemVocabulary", "VOCABULARY_FILES"]
 
 RAW_IDS_FILE = "raw_ids.parquet"
 VOCABULARY_FILE = "vocabulary.json"
+VOCABULARY_FILES = (RAW_IDS_FILE, VOCABULARY_FILE)
 _RAW_ID = "raw_id"
 # NVTabular's fixed reserved ids: 0 padding, 1 nulls, then the OOV ids (see _encode).
 _OOV_OFFSET = 2
