@@ -148,6 +148,26 @@ def test_a_parent_without_item_ids_is_refused(session_workflow):
         Ensemble(schema.column_names >> DecodeItemIds(workflow), schema)
 
 
+def test_ids_column_picks_the_top_k_to_decode_and_leaves_the_others(session_workflow):
+    """After ``PredictT4RPyTorch(output_prefix="cart_")`` the ids are ``cart_item_ids``."""
+    from merlin.schema import ColumnSchema, Schema
+    from merlin.systems.dag import Ensemble
+
+    workflow, _, _ = session_workflow
+    table = unique_values(workflow)
+    schema = Schema([ColumnSchema(name, dtype=np.int32, dims=(None, TOP_K))
+                     for name in ("cart_item_ids", "item_ids")])
+    ensemble = Ensemble(schema.column_names
+                        >> DecodeItemIds(workflow, ids_column="cart_item_ids"), schema)
+    codes = table.index.to_numpy()[None, :TOP_K].astype(np.int32)
+    out = ensemble.transform(pd.DataFrame({"cart_item_ids": list(codes),
+                                           "item_ids": list(codes)}))
+    np.testing.assert_array_equal(stacked(out, "cart_item_ids"), table.to_numpy()[None, :TOP_K])
+    np.testing.assert_array_equal(stacked(out, "item_ids"), codes)
+    assert ensemble.output_schema["cart_item_ids"].dtype.name == "int64"
+    assert ensemble.output_schema["item_ids"].dtype.name == "int32"
+
+
 # -- the artifact ----------------------------------------------------------------------------
 def test_vocabulary_is_a_checked_artifact_outside_ensemble_pkl(tmp_path, string_session_workflow):
     from merlin.dag import postorder_iter_nodes

@@ -35,6 +35,9 @@ class DecodeItemIds(BaseOperator):
         The fitted workflow whose Categorify encoded the item ids the model scores.
     column : str, optional
         The item-id output column of ``workflow``; default the one tagged ``Tags.ITEM_ID``.
+    ids_column : str, default ``"item_ids"``
+        The column of encoded ids to decode, e.g. ``"cart_item_ids"`` after a
+        ``PredictT4RPyTorch(..., output_prefix="cart_")``.
 
     Raises
     ------
@@ -49,10 +52,11 @@ class DecodeItemIds(BaseOperator):
     ...             >> DecodeItemIds(workflow))
     """
 
-    def __init__(self, workflow, *, column: Optional[str] = None):
+    def __init__(self, workflow, *, column: Optional[str] = None, ids_column: str = TOP_K_IDS):
         super().__init__()
         self.vocabulary = ItemVocabulary.from_workflow(workflow, column)
         self.column = self.vocabulary.column
+        self.ids_column = ids_column
         self.raw_dtype = self.vocabulary.dtype
         self._artifact_dir = new_folder_name(VOCABULARY_PREFIX)
 
@@ -64,27 +68,27 @@ class DecodeItemIds(BaseOperator):
         deps_schema: Schema,
         selector: ColumnSelector,
     ) -> Schema:
-        """Everything the parent produces; it must include integer ``item_ids``."""
+        """Everything the parent produces; it must include integer ``ids_column``."""
         available = parents_schema + deps_schema
-        if TOP_K_IDS not in available.column_names:
+        if self.ids_column not in available.column_names:
             raise SchemaMismatchError(
-                f"DecodeItemIds needs column {TOP_K_IDS!r} (the top-k of PredictT4RPyTorch "
-                f"with top_k=); the parent produces {available.column_names}"
+                f"DecodeItemIds needs column {self.ids_column!r} (the top-k of "
+                f"PredictT4RPyTorch with top_k=); the parent produces {available.column_names}"
             )
-        if not available[TOP_K_IDS].dtype.is_integer:
+        if not available[self.ids_column].dtype.is_integer:
             raise SchemaMismatchError(
-                f"DecodeItemIds needs encoded integer {TOP_K_IDS!r}, the parent produces "
-                f"dtype {available[TOP_K_IDS].dtype.name}"
+                f"DecodeItemIds needs encoded integer ids in {self.ids_column!r}, the parent "
+                f"produces dtype {available[self.ids_column].dtype.name}"
             )
         return available
 
     def compute_output_schema(
         self, input_schema: Schema, col_selector: ColumnSelector, prev_output_schema=None
     ) -> Schema:
-        """The input columns, with ``item_ids`` in the raw item-id column's dtype."""
+        """The input columns, with ``ids_column`` in the raw item-id column's dtype."""
         return Schema([
             column.with_dtype(self.raw_dtype.with_shape(column.shape))
-            if column.name == TOP_K_IDS else column
+            if column.name == self.ids_column else column
             for column in input_schema
         ])
 
@@ -117,12 +121,13 @@ class DecodeItemIds(BaseOperator):
 
     # -- inference -----------------------------------------------------------------------
     def transform(self, col_selector: ColumnSelector, transformable):
-        """Decode ``item_ids`` of a TensorTable or DataFrame; returns the same kind of object."""
+        """Decode ``ids_column`` of a TensorTable or DataFrame; returns the same kind of object."""
+        name = self.ids_column
         if isinstance(transformable, TensorTable):
             columns = transformable.to_dict()
-            columns[TOP_K_IDS] = self.vocabulary.decode(columns[TOP_K_IDS])
+            columns[name] = self.vocabulary.decode(columns[name], name)
             return TensorTable(columns)
         frame = transformable.copy(deep=False)
-        encoded = np.stack(frame[TOP_K_IDS].to_list()) if len(frame) else np.empty((0, 0), int)
-        frame[TOP_K_IDS] = list(self.vocabulary.decode(encoded))
+        encoded = np.stack(frame[name].to_list()) if len(frame) else np.empty((0, 0), int)
+        frame[name] = list(self.vocabulary.decode(encoded, name))
         return frame

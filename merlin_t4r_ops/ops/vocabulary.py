@@ -79,14 +79,15 @@ class ItemVocabulary:
         first_id, raw_ids = _read_unique_values(categorify, column)
         return cls(column, first_id, raw_ids)
 
-    def decode(self, encoded: np.ndarray) -> np.ndarray:
-        """Raw ids for an array of encoded ids, same shape; reserved or unknown ids raise."""
+    def decode(self, encoded: np.ndarray, source: str = "item_ids") -> np.ndarray:
+        """Raw ids for an array of encoded ids, same shape; reserved or unknown ids raise
+        an error that names ``source``, the column they came from."""
         encoded = np.asarray(encoded)
         if encoded.size:
             unknown = (encoded < self.first_id) | (encoded >= self.first_id + len(self.raw_ids))
             if unknown.any():
                 raise T4ROpsError(
-                    f"item_ids holds encoded id {int(encoded[unknown][0])}, which has no raw "
+                    f"{source} holds encoded id {int(encoded[unknown][0])}, which has no raw "
                     f"item id: the vocabulary of {self.column!r} covers ids {self.first_id} to "
                     f"{self.first_id + len(self.raw_ids) - 1}, and Categorify reserves the ids "
                     f"below {self.first_id} for padding, nulls and out-of-vocabulary items"
