@@ -134,3 +134,19 @@ def workflow_ensemble(workflow, model, top_k=None):
     pipeline = (workflow.input_schema.column_names >> TransformWorkflow(workflow)
                 >> PredictT4RPyTorch(model, top_k=top_k))
     return Ensemble(pipeline, workflow.input_schema)
+
+
+def reference_top_k(scores, k: int, reserved=(0,), sessions=None):
+    """Top-k built the slow, obvious way: reserved ids and (with ``sessions``) every item
+    of each row's whole session set to -inf, one by one, then ``torch.topk``.
+
+    Returns ``(ids, scores)`` as numpy arrays.
+    """
+    scores = torch.as_tensor(np.array(scores, dtype=np.float32)).clone()
+    for row in range(scores.shape[0]):
+        for item in reserved:
+            scores[row, item] = float("-inf")
+        for item in ([] if sessions is None else sessions[row]):
+            scores[row, int(item)] = float("-inf")
+    top = torch.topk(scores, k)
+    return top.indices.numpy(), top.values.numpy()
