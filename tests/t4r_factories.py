@@ -167,3 +167,14 @@ def reference_top_k(scores, k: int, reserved=(0,), sessions=None):
             scores[row, int(item)] = float("-inf")
     top = torch.topk(scores, k)
     return top.indices.numpy(), top.values.numpy()
+
+
+def load_exported(ensemble_path):
+    """Load an exported ensemble the way Merlin's executor model does in ``initialize``."""
+    from merlin.dag import postorder_iter_nodes
+    from merlin.systems.dag import Ensemble
+
+    ensemble = Ensemble.load(str(ensemble_path))
+    for node in postorder_iter_nodes(ensemble.graph.output_node, flatten_subgraphs=True):
+        node.op.load_artifacts(str(ensemble_path))
+    return ensemble
