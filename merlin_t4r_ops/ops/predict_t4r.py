@@ -1,8 +1,9 @@
 """``PredictT4RPyTorch``: run a Transformers4Rec model in eager PyTorch inside a Merlin graph."""
 
+import logging
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 import torch
@@ -12,10 +13,14 @@ from merlin.schema import ColumnSchema, Schema, Tags
 from merlin.table import TensorTable
 from merlin_t4r_ops.errors import SchemaMismatchError, T4ROpsError
 from merlin_t4r_ops.ops.artifacts import load_model, save_model
+from merlin_t4r_ops.ops.cuda_graphs import (
+    DEFAULT_BUCKETS, CudaGraphBuckets, check_buckets, example_request)
 from merlin_t4r_ops.ops.device import resolve_device
 from merlin_t4r_ops.ops.inputs import input_specs, to_model_inputs
 
 __all__ = ["PredictT4RPyTorch"]
+
+logger = logging.getLogger(__name__)
 
 TOP_K_IDS = "item_ids"
 TOP_K_SCORES = "item_id_scores"
@@ -65,6 +70,11 @@ class PredictT4RPyTorch(BaseOperator):
     device : str or torch.device, optional
         Where the model runs. Default: the device of the Triton model instance (a GPU
         instance gets its own GPU), else the CPU.
+    cuda_graph_buckets : sequence of int, optional
+        On CUDA, the batch sizes whose forward (with masking and top-k) is captured as CUDA
+        graphs at load; a request is padded up to the next bucket and replayed, larger ones
+        run eagerly (see :mod:`merlin_t4r_ops.ops.cuda_graphs`). Default 1, 2, 4, ..., 256;
+        ``None`` or ``()`` runs every request eagerly. Ignored on the CPU.
 
     Examples
     --------
@@ -83,6 +93,7 @@ class PredictT4RPyTorch(BaseOperator):
         top_k: Optional[int] = None,
         max_sequence_length: Optional[int] = None,
         device=None,
+        cuda_graph_buckets: Optional[Sequence[int]] = DEFAULT_BUCKETS,
     ):
         super().__init__()
         if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
@@ -102,6 +113,7 @@ class PredictT4RPyTorch(BaseOperator):
         self.requested_device = None if device is None else str(device)
         self._specs = input_specs(self._input_schema)
         self._artifact_dir = f"t4r_model_{uuid.uuid4().hex[:12]}"
+        self.cuda_graph_buckets = check_buckets(cuda_graph_buckets)
 
     # -- graph contract ------------------------------------------------------------------
     def _default_output_schema(self) -> Schema:
@@ -172,6 +184,7 @@ class PredictT4RPyTorch(BaseOperator):
         state = dict(self.__dict__)
         state["model"] = None
         state.pop("_module_cache", None)  # it holds the model too
+        state.pop("_graphs", None)  # CUDA graphs: captured again at load
         return state
 
     def save_artifacts(self, artifact_path=None) -> None:
@@ -191,6 +204,7 @@ class PredictT4RPyTorch(BaseOperator):
         self.model = load_model(
             Path(artifact_path) / self._artifact_dir, resolve_device(self.requested_device)
         )
+        self._capture_graphs()
 
     # -- inference -----------------------------------------------------------------------
     @property
@@ -215,28 +229,64 @@ class PredictT4RPyTorch(BaseOperator):
 
     def predict(self, table: TensorTable) -> dict:
         """Scores for the sessions in ``table`` as numpy arrays, keyed by output column."""
-        inputs = to_model_inputs(table, self._specs, self.max_sequence_length, self.device)
-        self._ensure_eval()
-        with torch.inference_mode():
-            scores = self.model(inputs, training=False, testing=False)
+        inputs = to_model_inputs(
+            table, self._specs, self.max_sequence_length, torch.device("cpu"))
+        graphs = self._graph_runner()
+        if graphs is not None and graphs.bucket_for(len(next(iter(inputs.values())))):
+            outputs = graphs(inputs)
+        else:
+            self._ensure_eval()
+            device = self.device
+            with torch.inference_mode():
+                outputs = self._device_outputs({k: v.to(device) for k, v in inputs.items()})
+        return {name: value.cpu().numpy() for name, value in outputs.items()}
+
+    def _device_outputs(self, inputs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The model's forward and, with ``top_k``, the top-k, on the model's device.
+
+        Everything in here is what a CUDA graph captures: no host synchronisation.
+        """
+        scores = self.model(inputs, training=False, testing=False)
         if isinstance(scores, dict):
             scores = [scores[name] for name in self._output_schema.column_names]
         else:
             scores = [scores]
         if self.top_k is not None:
             top = torch.topk(scores[0].float(), k=min(self.top_k, scores[0].shape[-1]), dim=-1)
-            id_dtype = self._output_schema[TOP_K_IDS].dtype.to_numpy
-            return {
-                TOP_K_IDS: top.indices.cpu().numpy().astype(id_dtype, copy=False),
-                TOP_K_SCORES: top.values.cpu().numpy(),
-            }
+            id_dtype = torch.from_numpy(
+                np.zeros(0, self._output_schema[TOP_K_IDS].dtype.to_numpy)).dtype
+            return {TOP_K_IDS: top.indices.to(id_dtype), TOP_K_SCORES: top.values}
         outputs = {}
         for name, value in zip(self._output_schema.column_names, scores):
             value = value.float()
             if len(self._output_schema[name].shape.dims) == 1:
                 value = value.reshape(-1)
-            outputs[name] = value.cpu().numpy()
+            outputs[name] = value
         return outputs
+
+    # -- CUDA graphs ---------------------------------------------------------------------
+    def _capture_graphs(self) -> None:
+        """Capture ``_device_outputs`` per batch bucket on CUDA, and log what runs how."""
+        self._graphs = None
+        buckets = getattr(self, "cuda_graph_buckets", ())
+        device = self.device
+        if not buckets or device.type != "cuda":
+            if buckets:
+                logger.info("PredictT4RPyTorch: model on %s, no CUDA graphs; every batch "
+                            "runs eagerly", device)
+            return
+        self._ensure_eval()
+        example = example_request(self._specs, self.max_sequence_length)
+        self._graphs = CudaGraphBuckets(self._device_outputs, example, buckets, device)
+        log = logger.warning if self._graphs.failed else logger.info
+        log("PredictT4RPyTorch: %s", self._graphs.summary())
+
+    def _graph_runner(self) -> Optional[CudaGraphBuckets]:
+        """The captured graphs; captured on first use in process, or again after a move."""
+        graphs = self.__dict__.get("_graphs", False)
+        if graphs is False or (graphs is not None and graphs.device != self.device):
+            self._capture_graphs()
+        return self._graphs
 
     def transform(self, col_selector: ColumnSelector, transformable):
         """Run the model on a TensorTable or DataFrame; returns the same kind of object."""
