@@ -425,7 +425,8 @@ def format_stats_row(r):
     """One row of the Triton statistics table (mean ms per request)."""
     return (f"| {r['path']} | {r['batch']} | {r['concurrency']} | {r['client_p50_ms']:.2f} | "
             f"{r['client_mean_ms']:.2f} | {r['server_ms']:.2f} | {r['queue_ms']:.2f} | "
-            f"{r['input_ms']:.2f} | {r['infer_ms']:.2f} | {r['output_ms']:.2f} | {r['outside_ms']:.2f} |")
+            f"{r['input_ms']:.2f} | {r['infer_ms']:.2f} | {r['output_ms']:.2f} | "
+            f"{r['outside_ms']:.2f} |")
 
 
 def format_row(r):
