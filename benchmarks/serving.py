@@ -10,7 +10,10 @@ Paths, side by side on the same sessions (``--paths`` picks; the first four by d
 * ``triton-captured`` the same with the operator's CUDA-graph buckets;
 * ``local``, ``local-captured``  Merlin's in-process runtime (``ensemble.transform``): the
                       executor's own Python, without Triton and gRPC;
-* ``triton-full``     Triton returning the full ``[batch, items]`` scores (eager).
+* ``triton-full``     Triton returning the full ``[batch, items]`` scores (eager);
+* ``compiled``        in process: ``torch.compile(mode="reduce-overhead")`` of the same
+                      forward + top-k, the alternative to our own buckets (compile time and
+                      parity with eager are printed at its first call).
 
 The Triton paths are timed from a pandas DataFrame of sessions to numpy outputs: the
 client's encoding (``dataframe_to_inputs``) and decoding (``as_numpy``) are part of the
@@ -32,6 +35,7 @@ Usage::
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -47,7 +51,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests")]  # the tests' factories
 
 PATHS = ("eager", "captured", "triton", "triton-captured",
-         "local", "local-captured", "triton-full")
+         "local", "local-captured", "triton-full", "compiled")
 DEFAULT_PATHS = "eager,captured,triton,triton-captured"
 # Which exported ensemble each Triton or local path uses.
 ENSEMBLE_OF = {"triton": "top", "triton-captured": "top_captured", "triton-full": "full",
@@ -66,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-sizes", default="1,64,256")
     p.add_argument("--concurrency", default="1")
     p.add_argument("--paths", default=DEFAULT_PATHS, help=f"comma-separated, of {PATHS}")
+    p.add_argument("--no-bucket-table", dest="bucket_table", action="store_false",
+                   help="skip the per-bucket GPU-time table (CUDA)")
     p.add_argument("--buckets", default="1,2,4,8,16,32,64,128,256",
                    help="the operator's CUDA-graph buckets (captured paths)")
     p.add_argument("--requests", type=int, default=200, help="most requests per cell")
@@ -243,6 +249,8 @@ def path_calls(path, df, inputs_dtypes, cpu_inputs, ops, ensembles, server):
                 return nbytes(graphs(cpu_inputs))
             return call
         return make
+    if path == "compiled":
+        return compiled_calls(ops, cpu_inputs)
     if path.startswith("local"):
         table = TensorTable(dataframe_arrays(df, inputs_dtypes))
         ensemble = ensembles[ENSEMBLE_OF[path]]
@@ -268,6 +276,38 @@ def path_calls(path, df, inputs_dtypes, cpu_inputs, ops, ensembles, server):
             for o in outputs:
                 result.as_numpy(o)
             return result.get_response().ByteSize()
+        return call
+    return make
+
+
+def compiled_calls(ops, cpu_inputs):
+    """``torch.compile(mode="reduce-overhead")`` of the operator's forward + top-k."""
+    import torch
+
+    op = ops["eager"]
+    device = op.device
+    if "compiled" not in ops:
+        ops["compiled"] = torch.compile(op._device_outputs, mode="reduce-overhead",
+                                        dynamic=False)
+    compiled = ops["compiled"]
+
+    def run_once():
+        with torch.inference_mode(), torch.device(device):
+            outputs = compiled({k: v.to(device) for k, v in cpu_inputs.items()})
+            return {k: v.cpu() for k, v in outputs.items()}
+
+    t0 = time.perf_counter()
+    got = run_once()
+    with torch.inference_mode():
+        want = op._device_outputs({k: v.to(device) for k, v in cpu_inputs.items()})
+    same = all(torch.allclose(got[k].float(), want[k].cpu().float(), rtol=1e-5, atol=1e-5)
+               for k in ("item_id_scores",) if k in got)
+    print(f"compiled: batch {len(next(iter(cpu_inputs.values())))}, first call (compile) "
+          f"{time.perf_counter() - t0:.1f} s, top-k scores equal eager: {same}", flush=True)
+
+    def make():
+        def call():
+            return sum(v.element_size() * v.nelement() for v in run_once().values())
         return call
     return make
 
@@ -365,17 +405,17 @@ def run(args):
               "graphs": (ops["captured"]._graphs.summary() if ops["captured"]._graphs
                          else "no CUDA graphs (CPU)")}
     print(result["graphs"], flush=True)
-    if device.type == "cuda" and "captured" in args.paths:
+    if device.type == "cuda" and "captured" in args.paths and args.bucket_table:
         print(BUCKET_HEADER, flush=True)
         result["buckets"] = bucket_table(ops, rng, args)
     print(HEADER, flush=True)
     triton_paths = [p for p in args.paths if p.startswith("triton")]
     with tempfile.TemporaryDirectory(prefix="serving-bench-") as repo:
         ensembles = export_repository(model, args, device, repo)
-        with triton_server(repo, timeout=600) as server:
-            stats_client = server.client()
-            some = next(iter(ensembles))
-            dtypes = _input_dtypes(stats_client, some)
+        serve = triton_server(repo, timeout=600) if ensembles else contextlib.nullcontext()
+        with serve as server:
+            stats_client = server.client() if server else None
+            dtypes = _input_dtypes(stats_client, next(iter(ensembles))) if server else None
             for batch in batches:
                 df = factories.random_sessions(batch, rng, max_len=args.seq_len,
                                                items=args.items, categories=100)
