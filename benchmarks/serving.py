@@ -143,6 +143,9 @@ def set_instance_count(config_path, count):
 def measure(calls, per_thread, seconds, warmup):
     """One round of one path: ``len(calls)`` threads, each calling its own callable.
 
+    With one callable the round runs in the calling thread and its wall time is the sum of
+    the request latencies (nothing else runs between them).
+
     Returns
     -------
     tuple
@@ -162,6 +165,12 @@ def measure(calls, per_thread, seconds, warmup):
             calls[i]()
             latencies[i].append(time.perf_counter() - t0)
 
+    if len(calls) == 1:
+        # Concurrency 1 runs in this thread: torch.compile's CUDA-graph trees are bound to
+        # the thread that compiled them (torch 2.11 asserts in cudagraph_trees otherwise).
+        start = threading.Barrier(1)
+        worker(0)
+        return [1e3 * x for x in latencies[0]], sum(latencies[0]), sizes[0]
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(calls))]
     for thread in threads:
         thread.start()
