@@ -219,3 +219,13 @@ def test_the_triton_load_path_captures(tmp_path, caplog):
     table = _requests(6, seed=6)["ragged"]
     eager = PredictT4RPyTorch(op.model, top_k=5, cuda_graph_buckets=None)
     assert_same_top_k(op.predict(table), eager.predict(table))
+
+
+def test_the_load_report_reaches_the_triton_log(triton):
+    """The stub drops Python's INFO logging; the report goes through Triton's own logger."""
+    import re
+
+    assert re.search(
+        r"PredictT4RPyTorch: (model on cpu, no CUDA graphs; every batch runs eagerly"
+        r"|CUDA graphs on cuda:\d+: buckets \[1, 2, 4, 8, 16, 32, 64, 128, 256\] captured)",
+        triton.logs())

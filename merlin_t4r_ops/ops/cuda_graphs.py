@@ -31,6 +31,7 @@ __all__ = [
     "check_buckets",
     "cut_rows",
     "example_request",
+    "log_load",
     "pad_rows",
 ]
 
@@ -90,7 +91,7 @@ class _Captured:
     graph: "torch.cuda.CUDAGraph"
     inputs: Tensors  # static buffers the graph reads
     outputs: Tensors  # static buffers the graph writes
-    pool_mib: float  # growth of the shared graph memory pool while capturing this bucket
+    pool_mib: float  # CUDA memory reserved while warming up and capturing this bucket
     buffer_mib: float  # the static inputs and outputs themselves
 
 
@@ -192,7 +193,7 @@ class CudaGraphBuckets:
             if bucket in self.captured:
                 c = self.captured[bucket]
                 lines.append(f"bucket {bucket}: captured, buffers {c.buffer_mib:.2f} MiB, "
-                             f"graph pool +{c.pool_mib:.2f} MiB")
+                             f"reserved +{c.pool_mib:.2f} MiB")
             else:
                 lines.append(f"bucket {bucket}: eager, capture failed ({self.failed[bucket]})")
         return lines
@@ -226,3 +227,20 @@ def example_request(specs, width: int) -> Tensors:
         dtype = np.int64 if spec.is_categorical else np.float32
         columns[spec.name] = np.full(shape, value, dtype=dtype)
     return to_model_inputs(TensorTable(columns), specs, width, torch.device("cpu"))
+
+
+def log_load(message: str, warning: bool = False) -> None:
+    """Log ``message`` here and, inside a Triton Python-backend stub, in the server's log.
+
+    The stub does not forward Python's ``logging`` below WARNING, and the capture report is
+    what an operator needs to read at load; Triton's own ``pb_utils.Logger`` writes it to
+    the server log at the matching level.
+    """
+    (logger.warning if warning else logger.info)(message)
+    try:
+        import triton_python_backend_utils as pb_utils
+
+        triton_logger = pb_utils.Logger
+    except (ImportError, AttributeError):  # not inside a stub
+        return
+    (triton_logger.log_warn if warning else triton_logger.log_info)(message)

@@ -1,6 +1,5 @@
 """``PredictT4RPyTorch``: run a Transformers4Rec model in eager PyTorch inside a Merlin graph."""
 
-import logging
 import uuid
 from pathlib import Path
 from typing import Dict, Optional, Sequence
@@ -14,13 +13,11 @@ from merlin.table import TensorTable
 from merlin_t4r_ops.errors import SchemaMismatchError, T4ROpsError
 from merlin_t4r_ops.ops.artifacts import load_model, save_model
 from merlin_t4r_ops.ops.cuda_graphs import (
-    DEFAULT_BUCKETS, CudaGraphBuckets, check_buckets, example_request)
+    DEFAULT_BUCKETS, CudaGraphBuckets, check_buckets, example_request, log_load)
 from merlin_t4r_ops.ops.device import resolve_device
 from merlin_t4r_ops.ops.inputs import input_specs, to_model_inputs
 
 __all__ = ["PredictT4RPyTorch"]
-
-logger = logging.getLogger(__name__)
 
 TOP_K_IDS = "item_ids"
 TOP_K_SCORES = "item_id_scores"
@@ -272,14 +269,13 @@ class PredictT4RPyTorch(BaseOperator):
         device = self.device
         if not buckets or device.type != "cuda":
             if buckets:
-                logger.info("PredictT4RPyTorch: model on %s, no CUDA graphs; every batch "
-                            "runs eagerly", device)
+                log_load(f"PredictT4RPyTorch: model on {device}, no CUDA graphs; every batch "
+                         "runs eagerly")
             return
         self._ensure_eval()
         example = example_request(self._specs, self.max_sequence_length)
         self._graphs = CudaGraphBuckets(self._device_outputs, example, buckets, device)
-        log = logger.warning if self._graphs.failed else logger.info
-        log("PredictT4RPyTorch: %s", self._graphs.summary())
+        log_load(f"PredictT4RPyTorch: {self._graphs.summary()}", warning=bool(self._graphs.failed))
 
     def _graph_runner(self) -> Optional[CudaGraphBuckets]:
         """The captured graphs; captured on first use in process, or again after a move."""
