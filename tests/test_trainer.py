@@ -263,7 +263,11 @@ def test_ddp_predict_gathers_top_k_on_rank_0_only(ddp_predict_run, tmp_path):
     schema = make_schema(n_items=BIG_CATALOGUE)
     single = Trainer(model=make_model(schema), args=make_args(str(tmp_path), predict_top_k=100),
                      strategy="single", schema=schema).predict(evals)
-    assert sorted(map(tuple, gathered["ids"])) == sorted(map(tuple, single.predictions[0].tolist()))
+    ours = sorted(zip(map(tuple, gathered["scores"]), map(tuple, gathered["ids"])))
+    theirs = sorted(zip(map(tuple, single.predictions[1].tolist()),
+                        map(tuple, single.predictions[0].tolist())))
+    assert [ids for _, ids in ours] == [ids for _, ids in theirs]
+    np.testing.assert_allclose([s for s, _ in ours], [s for s, _ in theirs], rtol=1e-5)
 
 
 def test_ddp_evaluate_and_predict_do_not_hold_every_ranks_scores(ddp_predict_run):

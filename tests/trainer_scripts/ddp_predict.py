@@ -60,8 +60,8 @@ def _describe(predictions):
         return None
     if isinstance(predictions, tuple):
         return {"shapes": [list(p.shape) for p in predictions],
-                "ids": predictions[0].tolist()}
-    return {"shapes": [list(predictions.shape)], "ids": None}
+                "ids": predictions[0].tolist(), "scores": predictions[1].tolist()}
+    return {"shapes": [list(predictions.shape)]}
 
 
 def main():
