@@ -91,7 +91,9 @@ def simulate(data_parallel, n_devices):
 def _rows(obj):
     if isinstance(obj, torch.Tensor):
         return int(obj.shape[0])
-    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else []
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    values = obj if isinstance(obj, (tuple, list)) else []
     for value in values:
         rows = _rows(value)
         if rows is not None:
