@@ -138,18 +138,15 @@ def fit_session_workflow(directory, rng: np.random.Generator, n: int = 300,
     return workflow, next_item_model("xlnet-causal", schema=schema, seed=5), raw
 
 
-def workflow_ensemble(workflow, model, top_k=None, *, exclude_seen=False, decode=False):
-    """raw sessions >> TransformWorkflow(workflow) >> PredictT4RPyTorch(model)
-    [>> DecodeItemIds(workflow)]."""
+def workflow_ensemble(workflow, model, top_k=None):
+    """raw sessions >> TransformWorkflow(workflow) >> PredictT4RPyTorch(model)."""
     from merlin.systems.dag import Ensemble
     from merlin.systems.dag.ops.workflow import TransformWorkflow
 
-    from merlin_t4r_ops import DecodeItemIds, PredictT4RPyTorch
+    from merlin_t4r_ops import PredictT4RPyTorch
 
     pipeline = (workflow.input_schema.column_names >> TransformWorkflow(workflow)
-                >> PredictT4RPyTorch(model, top_k=top_k, exclude_seen=exclude_seen))
-    if decode:
-        pipeline = pipeline >> DecodeItemIds(workflow)
+                >> PredictT4RPyTorch(model, top_k=top_k))
     return Ensemble(pipeline, workflow.input_schema)
 
 
@@ -162,6 +159,43 @@ def decode_ensemble(workflow, top_k: int):
     schema = Schema([ColumnSchema("item_ids", dtype=np.int32, dims=(None, top_k)),
                      ColumnSchema("item_id_scores", dtype=np.float32, dims=(None, top_k))])
     return Ensemble(schema.column_names >> DecodeItemIds(workflow), schema)
+
+
+def seen_and_plain_ensemble(workflow, model, top_k, decode=False):
+    """Raw sessions >> the workflow >> two top-k's of ``model``, side by side.
+
+    ``item_ids``/``item_id_scores`` leave out the session's own items (``exclude_seen``);
+    ``all_item_ids``/``all_item_id_scores`` leave out only the reserved ids. With ``decode``
+    each top-k goes on through ``DecodeItemIds(workflow)``: the shop's raw ids come out.
+    """
+    from merlin.systems.dag import Ensemble
+    from merlin.systems.dag.ops.workflow import TransformWorkflow
+
+    from merlin_t4r_ops import DecodeItemIds, PredictT4RPyTorch
+
+    encoded = workflow.input_schema.column_names >> TransformWorkflow(workflow)
+    unseen = encoded >> PredictT4RPyTorch(model, top_k=top_k, exclude_seen=True)
+    everything = encoded >> PredictT4RPyTorch(model, top_k=top_k, output_prefix="all_")
+    if decode:
+        unseen = unseen >> DecodeItemIds(workflow)
+        everything = everything >> DecodeItemIds(workflow, ids_column="all_item_ids")
+    return Ensemble(unseen + everything, workflow.input_schema)
+
+
+def reference_top_k(scores, k: int, reserved=(0,), sessions=None):
+    """Top-k built the slow, obvious way: reserved ids and (with ``sessions``) every item
+    of each row's whole session set to -inf, one by one, then ``torch.topk``.
+
+    Returns ``(ids, scores)`` as numpy arrays.
+    """
+    scores = torch.as_tensor(np.array(scores, dtype=np.float32)).clone()
+    for row in range(scores.shape[0]):
+        for item in reserved:
+            scores[row, item] = float("-inf")
+        for item in ([] if sessions is None else sessions[row]):
+            scores[row, int(item)] = float("-inf")
+    top = torch.topk(scores, k)
+    return top.indices.numpy(), top.values.numpy()
 
 
 def load_exported(ensemble_path):
