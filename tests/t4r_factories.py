@@ -95,9 +95,10 @@ def eager_scores(model, df: pd.DataFrame, seq_len: int = SEQ_LEN) -> np.ndarray:
         return model(reference_inputs(df, seq_len), training=False, testing=False).numpy()
 
 
-def raw_sessions(n: int, rng: np.random.Generator, max_len=SEQ_LEN * 2) -> pd.DataFrame:
+def raw_sessions(n: int, rng: np.random.Generator, max_len=SEQ_LEN * 2,
+                 items: int = 400) -> pd.DataFrame:
     """Sessions in the shop's own ids: sparse, large item ids and string-free categories."""
-    df = random_sessions(n, rng, max_len=max_len, items=400)
+    df = random_sessions(n, rng, max_len=max_len, items=items)
     df["item_id-list"] = df["item_id-list"].map(lambda ids: ids * 7919 + 100_000)
     df["category-list"] = df["category-list"].map(lambda ids: ids * 13 + 500)
     return df
@@ -112,15 +113,16 @@ def string_item_ids(raw: pd.DataFrame) -> pd.DataFrame:
 
 
 def fit_session_workflow(directory, rng: np.random.Generator, n: int = 300,
-                         string_ids: bool = False):
+                         string_ids: bool = False, items: int = 400):
     """Fit Categorify on raw session ids; returns (workflow, model over its output, raw data).
 
-    With ``string_ids`` the raw item ids are strings, else int64 ids in the millions.
+    With ``string_ids`` the raw item ids are strings, else int64 ids up to the millions;
+    ``items - 1`` distinct items at most.
     """
     import nvtabular as nvt
     from merlin.io import Dataset
 
-    raw = raw_sessions(n, rng)
+    raw = raw_sessions(n, rng, items=items)
     if string_ids:
         raw = string_item_ids(raw)
     categorify = dict(out_path=str(directory))  # not ./categories in the working directory

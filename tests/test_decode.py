@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import t4r_factories as factories
-from conftest import TOP_K
+from conftest import MASKED_TOP_K, TOP_K
 from merlin_t4r_ops import DecodeItemIds
 from merlin_t4r_ops.errors import ArtifactError, SchemaMismatchError, T4ROpsError
 from merlin_t4r_ops.serving.client import arrays_to_inputs, infer_dataframe
@@ -34,30 +34,41 @@ def encode(workflow, raw: pd.DataFrame) -> pd.DataFrame:
     return workflow.transform(Dataset(raw, npartitions=1)).to_ddf().compute()
 
 
-def reference_top_k(workflow, model, raw: pd.DataFrame, exclude_seen: bool):
-    """(raw ids, scores) of each session's top-k, built without any of the package's code."""
+def reference_top_k(workflow, model, raw: pd.DataFrame, exclude_seen: bool,
+                    k: int = MASKED_TOP_K):
+    """(raw ids, scores) of each session's top-k, built without any of the package's code:
+    every id without a row in the table is reserved, every id of the session is seen."""
     encoded = encode(workflow, raw)
-    scores = torch.from_numpy(factories.eager_scores(model, encoded))
+    scores = factories.eager_scores(model, encoded)
     table = unique_values(workflow)
     reserved = np.setdiff1d(np.arange(scores.shape[1]), table.index.to_numpy())
-    scores[:, reserved] = -torch.inf
-    if exclude_seen:
-        for row, session in enumerate(encoded[ITEM]):
-            scores[row, torch.as_tensor(np.asarray(session))] = -torch.inf
-    top = torch.topk(scores, TOP_K)
-    ids = np.array([[table[i] for i in row] for row in top.indices.tolist()],
-                   dtype=table.dtype)
-    return ids, top.values.numpy()
+    sessions = encoded[ITEM].to_list() if exclude_seen else None
+    ids, top_scores = factories.reference_top_k(scores, k, reserved, sessions)
+    raw_ids = np.array([[table[i] for i in row] for row in ids], dtype=table.dtype)
+    return raw_ids, top_scores
 
 
 def stacked(frame: pd.DataFrame, column: str) -> np.ndarray:
     return np.stack([np.asarray(row) for row in frame[column]])
 
 
-def assert_same_top_k(got: pd.DataFrame, expected):
+def assert_same_top_k(got: pd.DataFrame, expected, prefix: str = ""):
     ids, scores = expected
-    np.testing.assert_array_equal(stacked(got, "item_ids"), ids)
-    np.testing.assert_allclose(stacked(got, "item_id_scores"), scores, rtol=RTOL, atol=ATOL)
+    np.testing.assert_array_equal(stacked(got, prefix + "item_ids"), ids)
+    np.testing.assert_allclose(stacked(got, prefix + "item_id_scores"), scores,
+                               rtol=RTOL, atol=ATOL)
+
+
+def assert_matches_references(got: pd.DataFrame, workflow, model, raw: pd.DataFrame):
+    """``item_ids`` without the session's items, ``all_item_ids`` with them (only reserved
+    ids out), both in raw ids: what ``seen_and_plain_ensemble(decode=True)`` serves."""
+    assert_same_top_k(got, reference_top_k(workflow, model, raw, exclude_seen=True))
+    assert_same_top_k(got, reference_top_k(workflow, model, raw, exclude_seen=False), "all_")
+
+
+def decoded_ensemble(workflow, model):
+    """Raw sessions in; ``item_ids`` with exclude_seen and ``all_item_ids`` without, decoded."""
+    return factories.seen_and_plain_ensemble(workflow, model, MASKED_TOP_K, decode=True)
 
 
 def with_recommendations_in_front(workflow, model, raw: pd.DataFrame) -> pd.DataFrame:
@@ -69,7 +80,7 @@ def with_recommendations_in_front(workflow, model, raw: pd.DataFrame) -> pd.Data
     longer = tails.copy()
     longer[ITEM] = [np.concatenate([head, tail]) for head, tail in zip(heads, tails[ITEM])]
     for name in tails.columns.drop(ITEM):  # the other lists get as many leading items
-        longer[name] = [np.concatenate([np.repeat(tail[:1], TOP_K), tail])
+        longer[name] = [np.concatenate([np.repeat(tail[:1], len(heads[0])), tail])
                         for tail in tails[name]]
     return longer, heads
 
@@ -205,32 +216,51 @@ def test_re_export_replaces_the_earlier_vocabulary_and_keeps_the_model(tmp_path,
     from merlin.dag import postorder_iter_nodes
 
     workflow, model, _ = session_workflow
-    factories.workflow_ensemble(workflow, model, top_k=TOP_K, decode=True).export(str(tmp_path))
-    ensemble = factories.workflow_ensemble(workflow, model, top_k=TOP_K, decode=True)
+    decoded_ensemble(workflow, model).export(str(tmp_path))
+    ensemble = decoded_ensemble(workflow, model)
     ensemble.export(str(tmp_path))
     ensemble_dir = tmp_path / "executor_model" / "1" / "ensemble"
     folders = sorted(node.op._artifact_dir for node in postorder_iter_nodes(
         ensemble.graph.output_node) if hasattr(node.op, "_artifact_dir"))
-    assert folders[0].startswith("item_vocabulary_") and folders[1].startswith("t4r_model_")
+    assert [name[:10] for name in folders] == ["item_vocab"] * 2 + ["t4r_model_"] * 2
     assert sorted(p.name for p in ensemble_dir.iterdir() if p.is_dir()) == folders
 
 
 # -- the local runtime ------------------------------------------------------------------------
-@pytest.mark.parametrize("exclude_seen", [True, False])
-def test_local_runtime_returns_raw_ids(any_workflow, exclude_seen):
+def test_local_runtime_returns_raw_ids_with_and_without_the_seen_items(any_workflow):
     workflow, model, raw = any_workflow
     df = raw.head(30).reset_index(drop=True)
-    ensemble = factories.workflow_ensemble(workflow, model, top_k=TOP_K,
-                                           exclude_seen=exclude_seen, decode=True)
-    assert_same_top_k(ensemble.transform(df), reference_top_k(workflow, model, df, exclude_seen))
+    assert_matches_references(decoded_ensemble(workflow, model).transform(df),
+                              workflow, model, df)
+
+
+@pytest.mark.parametrize("string_ids, filler", [(False, -1), (True, "")])
+def test_a_slot_no_item_was_left_for_decodes_to_the_filler(tmp_path, string_ids, filler):
+    """Eleven items, a top-11 without the session's own: the rest of each row is filler."""
+    from merlin.systems.dag import Ensemble
+    from merlin.systems.dag.ops.workflow import TransformWorkflow
+
+    from merlin_t4r_ops import PredictT4RPyTorch
+
+    workflow, model, raw = factories.fit_session_workflow(
+        tmp_path, np.random.default_rng(9), n=60, string_ids=string_ids, items=12)
+    table = unique_values(workflow)
+    k = len(table)
+    pipeline = (workflow.input_schema.column_names >> TransformWorkflow(workflow)
+                >> PredictT4RPyTorch(model, top_k=k, exclude_seen=True) >> DecodeItemIds(workflow))
+    df = raw.head(8).reset_index(drop=True)
+    got = Ensemble(pipeline, workflow.input_schema).transform(df)
+    for ids, scores, session in zip(got["item_ids"], got["item_id_scores"], df[ITEM]):
+        unseen = set(table) - set(session)
+        assert set(ids[:len(unseen)]) == unseen
+        assert list(ids[len(unseen):]) == [filler] * (k - len(unseen))
+        assert np.isneginf(scores[len(unseen):]).all() and np.isfinite(scores[:len(unseen)]).all()
 
 
 def test_local_runtime_excludes_items_cropped_from_long_sessions(session_workflow):
     workflow, model, raw = session_workflow
     longer, heads = with_recommendations_in_front(workflow, model, raw)
-    ensemble = factories.workflow_ensemble(workflow, model, top_k=TOP_K, exclude_seen=True,
-                                           decode=True)
-    got = ensemble.transform(longer)
+    got = decoded_ensemble(workflow, model).transform(longer)
     assert_same_top_k(got, reference_top_k(workflow, model, longer, exclude_seen=True))
     for row, head in zip(stacked(got, "item_ids"), heads):
         assert set(row).isdisjoint(head)
@@ -269,7 +299,7 @@ def test_triton_declares_raw_dtypes(client, string_client):
 
     assert item_ids(client, "session_decoded")["datatype"] == "INT64"
     assert item_ids(string_client, "session_decoded_str")["datatype"] == "BYTES"
-    assert item_ids(client, "session_decoded")["shape"][-1] == str(TOP_K)
+    assert item_ids(client, "session_decoded")["shape"][-1] == str(MASKED_TOP_K)
 
 
 def test_triton_reserved_id_is_an_error_and_the_server_keeps_serving(client, session_workflow):
@@ -285,22 +315,22 @@ def test_triton_reserved_id_is_an_error_and_the_server_keeps_serving(client, ses
     np.testing.assert_array_equal(ok["item_ids"][0], table.to_numpy()[:TOP_K])
 
 
-@pytest.mark.parametrize("exclude_seen", [True, False])
-def test_triton_serves_raw_int64_ids(client, session_workflow, exclude_seen):
+def test_triton_serves_raw_int64_ids_with_and_without_the_seen_items(client, session_workflow):
     workflow, model, raw = session_workflow
     df = raw.sample(40, random_state=1).reset_index(drop=True)
-    name = "session_decoded" if exclude_seen else "session_decoded_all"
-    served = infer_dataframe(client, df, model_name=name)
-    assert stacked(served, "item_ids").dtype == np.int64
-    assert_same_top_k(served, reference_top_k(workflow, model, df, exclude_seen))
+    served = infer_dataframe(client, df, model_name="session_decoded")
+    assert stacked(served, "item_ids").dtype == stacked(served, "all_item_ids").dtype == np.int64
+    assert stacked(served, "item_ids").max() > 1_000_000  # the shop's ids run into millions
+    assert_matches_references(served, workflow, model, df)
 
 
-def test_triton_serves_raw_string_ids(string_client, string_session_workflow):
+def test_triton_serves_raw_string_ids_with_and_without_the_seen_items(string_client,
+                                                                      string_session_workflow):
     workflow, model, raw = string_session_workflow
     df = raw.sample(40, random_state=2).reset_index(drop=True)
     served = infer_dataframe(string_client, df, model_name="session_decoded_str")
     assert isinstance(served["item_ids"][0][0], str)
-    assert_same_top_k(served, reference_top_k(workflow, model, df, exclude_seen=True))
+    assert_matches_references(served, workflow, model, df)
 
 
 def test_triton_excludes_items_cropped_from_long_sessions(client, session_workflow):

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import merlin.dtypes as md
 from merlin.schema import Tags
 from merlin_t4r_ops.errors import ArtifactError, SchemaMismatchError, T4ROpsError
+from merlin_t4r_ops.ops.masking import FILLER_ID
 
 __all__ = ["ItemVocabulary", "VOCABULARY_FILES"]
 
@@ -57,6 +58,12 @@ class ItemVocabulary:
         return self.raw_ids.dtype == object
 
     @property
+    def filler(self):
+        """The raw id of a top-k slot that no item was left for (``FILLER_ID``, scored
+        ``-inf``): ``-1`` for integer ids, ``""`` for string ids."""
+        return "" if self.is_string else FILLER_ID
+
+    @property
     def dtype(self) -> md.DType:
         """The raw column's dtype: an integer, or ``object`` for strings as NVTabular has it.
 
@@ -80,11 +87,14 @@ class ItemVocabulary:
         return cls(column, first_id, raw_ids)
 
     def decode(self, encoded: np.ndarray, source: str = "item_ids") -> np.ndarray:
-        """Raw ids for an array of encoded ids, same shape; reserved or unknown ids raise
-        an error that names ``source``, the column they came from."""
+        """Raw ids for an array of encoded ids, same shape; ``FILLER_ID`` becomes
+        :attr:`filler`. Reserved or unknown ids raise an error that names ``source``, the
+        column they came from."""
         encoded = np.asarray(encoded)
+        filler = encoded == FILLER_ID
         if encoded.size:
             unknown = (encoded < self.first_id) | (encoded >= self.first_id + len(self.raw_ids))
+            unknown &= ~filler
             if unknown.any():
                 raise T4ROpsError(
                     f"{source} holds encoded id {int(encoded[unknown][0])}, which has no raw "
@@ -92,7 +102,11 @@ class ItemVocabulary:
                     f"{self.first_id + len(self.raw_ids) - 1}, and Categorify reserves the ids "
                     f"below {self.first_id} for padding, nulls and out-of-vocabulary items"
                 )
-        return self.raw_ids[encoded - self.first_id]
+        if not filler.any():
+            return self.raw_ids[encoded - self.first_id]
+        raw = self.raw_ids[np.where(filler, self.first_id, encoded) - self.first_id]
+        raw[filler] = self.filler
+        return raw
 
     # -- artifact files --------------------------------------------------------------------
     def to_files(self) -> Dict[str, bytes]:
