@@ -50,7 +50,7 @@ def test_recommendations_are_original_item_ids(next_item):
         assert len(top) == session_based.K
         assert len(set(top)) == len(top)
         assert set(top) <= results["raw_item_ids"]
-        assert set(top).isdisjoint(session.tolist())
+        assert set(top).isdisjoint(list(session))
     assert np.stack(results["served"]["item_ids"]).dtype == np.int64
 
 
