@@ -154,18 +154,22 @@ def export_repository(model, args, device, path):
                 "decoded": (args.top_k, None, True),
                 "decoded_captured": (args.top_k, args.buckets, True)}
     needed = {ENSEMBLE_OF[p] for p in args.paths if p in ENSEMBLE_OF}
+    decoders = {}
+    if any(settings[name][2] for name in needed):
+        # The vocabulary is read here, outside the repository (Triton reads its folders
+        # as models); each DecodeItemIds holds it from then on.
+        with tempfile.TemporaryDirectory(prefix="serving-bench-catalogue-") as tmp:
+            workflow = catalogue_workflow(args.items, tmp)
+            decoders = {name: DecodeItemIds(workflow) for name in needed if settings[name][2]}
     ensembles = {}
-    workflow = None
     for name in sorted(needed):
         top_k, buckets, decoded = settings[name]
         pipeline = model.input_schema.column_names >> PredictT4RPyTorch(
             model, top_k=top_k, device=str(device), cuda_graph_buckets=buckets,
             exclude_seen=decoded)
         if decoded:
-            workflow = workflow or catalogue_workflow(args.items, Path(path) / "catalogue")
-            decode = DecodeItemIds(workflow)
-            assert len(decode.vocabulary.raw_ids) == args.items - 3  # every item id decodes
-            pipeline = pipeline >> decode
+            assert len(decoders[name].vocabulary.raw_ids) == args.items - 3  # every id decodes
+            pipeline = pipeline >> decoders[name]
         ensembles[name] = Ensemble(pipeline, model.input_schema)
         ensembles[name].export(str(path), name=name)
         if args.instances:
