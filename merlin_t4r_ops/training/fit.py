@@ -239,7 +239,10 @@ def fit(
     checkpoint_dir : str or os.PathLike, optional
         Write ``last.pt`` after each epoch (main process, atomically).
     resume : bool
-        Continue from ``checkpoint_dir/last.pt`` when it exists.
+        Continue from ``checkpoint_dir/last.pt`` when it exists. Under DDP rank
+        0 reads its own ``checkpoint_dir`` and broadcasts the checkpoint, so
+        every rank resumes from the same state even when the nodes have
+        separate local disks.
     seed : int, optional
         Seeds torch (``seed + rank``), numpy and random, and the data shuffle
         (``seed + epoch``, equal on all ranks).
@@ -312,7 +315,7 @@ def fit(
         history: List[dict] = []
         start_epoch = 0
         if resume:
-            ckpt = load_checkpoint(checkpoint_dir, map_location="cpu")
+            ckpt = load_checkpoint(checkpoint_dir, map_location="cpu", state=state)
             if ckpt is not None:
                 start_epoch, history = _restore(ckpt, model, optimizer, lr_scheduler, scaler, state)
             elif state.is_main_process:
