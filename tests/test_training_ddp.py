@@ -149,7 +149,8 @@ def test_ddp_shards_are_disjoint_and_cover_the_dataset(data):
         data["root"] / "out-shards", "--task", "binary", "--train", data["uneven"], "--epochs", 0,
     )
     shards = [collections.Counter(tuple(s) for s in info["shard"]) for info, _ in ranks]
-    assert shards[0] and shards[1]
+    # Files of 80 and 28 rows: balanced by rows, not by files.
+    assert [sum(s.values()) for s in shards] == [54, 54]
     assert not (set(shards[0]) & set(shards[1]))
     assert shards[0] + shards[1] == rows(data["uneven"])
 
@@ -164,12 +165,13 @@ def uneven_run(data):
     return ranks, ckpt
 
 
-def test_ddp_unequal_shards_do_not_hang_and_checkpoint_once(uneven_run):
+def test_ddp_uneven_files_train_without_repeats_and_checkpoint_once(uneven_run):
     ranks, ckpt = uneven_run
     (info0, w0), (info1, w1) = ranks
     assert_same_weights(w0, w1)
-    # 80 vs 28 rows: the short shard repeats its batches (16, 12, 16, 12, 16) to 5 steps.
-    assert info0["history"][-1]["train_samples"] == 80 + (16 + 12) * 2 + 16
+    # Files of 80 and 28 rows: 54 rows per rank, none repeated. By files (f663f0b) the
+    # 28-row shard repeated its batches (16, 12, 16, 12, 16) to 5 steps: 152 samples.
+    assert info0["history"][-1]["train_samples"] == 108
     saved = load_checkpoint(ckpt)
     assert saved["epoch"] == 2 and saved["world_size"] == 2 and len(saved["rng"]) == 2
     assert_same_weights(saved["model"], w0)

@@ -28,6 +28,7 @@ from merlin_t4r_ops.training.state import (
     resolve_strategy,
     unwrap_model,
 )
+from merlin_t4r_ops.training.trainer import Trainer
 
 __all__ = [
     "DistributedState",
@@ -41,10 +42,5 @@ __all__ = [
     "MetricAccumulator",
     "save_checkpoint",
     "load_checkpoint",
+    "Trainer",
 ]
-
-# --- trainer exports (helper B adds merlin_t4r_ops.training.trainer here) ---
-from merlin_t4r_ops.training.trainer import Trainer, data_shard  # noqa: E402
-
-__all__ += ["Trainer", "data_shard"]
-# --- end trainer exports ---

@@ -204,14 +204,16 @@ def fit(
     train_data : str, os.PathLike, list of them, merlin.io.Dataset, or iterable of (x, y)
         Parquet path(s) (with ``schema.pbtxt``) or a Dataset: ``fit`` builds
         per-rank Merlin loaders from the model's input schema, targets and
-        ``max_sequence_length``, sharded by global rank. Anything else is a
-        ready dataloader used as is (re-iterable; shard it yourself under DDP).
-        Under DDP, shards of unequal size are evened out like
-        ``DistributedSampler`` pads: a rank with fewer batches repeats batches
-        from the start of its shard until it has as many as the largest rank,
-        so all ranks take the same optimizer steps (weights and optimizer
-        states stay identical). Loaders without ``len()`` fall back to DDP's
-        ``join`` context manager, which cannot hang but lets optimizer states drift.
+        ``max_sequence_length``, sharded by global rank and balanced by rows
+        whatever the partition sizes: every rank gets ``ceil(rows / world_size)``
+        rows per epoch, at most ``world_size - 1`` of them repeated, as
+        ``DistributedSampler`` pads (see :class:`~merlin_t4r_ops.training.data.ShardedLoader`).
+        Anything else is a ready dataloader used as is (re-iterable; shard it
+        yourself under DDP). If such loaders give ranks unequal ``len()``, a
+        rank with fewer batches repeats batches from its start so all ranks
+        take the same optimizer steps (weights and optimizer states stay
+        identical); loaders without ``len()`` fall back to DDP's ``join``
+        context manager, which cannot hang but lets optimizer states drift.
     optimizer : torch.optim.Optimizer, optional
         Over ``model.parameters()``; default ``Adam(lr=lr)``.
     epochs : int
@@ -245,7 +247,7 @@ def fit(
         separate local disks.
     seed : int, optional
         Seeds torch (``seed + rank``), numpy and random, and the data shuffle
-        (``seed + epoch``, equal on all ranks).
+        (from ``(seed, epoch)``, equal on all ranks).
     shuffle, drop_last : bool
         For loaders that ``fit`` builds.
     find_unused_parameters : bool, optional
@@ -287,6 +289,7 @@ def fit(
         shuffle=shuffle,
         seed=seed or 0,
         drop_last=drop_last,
+        equal_shards=True,  # every rank takes the same optimizer steps
     )
     eval_loader = None
     if eval_data is not None:
