@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import t4r_training_factories as factories
-from merlin_t4r_ops.training import DistributedState, make_loader
+from merlin_t4r_ops.training import DistributedState, evaluate, fit, make_loader
 
 CPU = torch.device("cpu")
 N_ITEMS = 1000  # random sessions over 999 items are unique, so a row names its file
@@ -132,3 +132,20 @@ def test_shards_follow_the_global_rank_not_the_local_rank(eight_files):
     stream = [seq for seq, _ in stored_rows(eight_files)]
     loader = make_loader(eight_files, model(), ddp(3, 4, local_rank=1), batch_size=16)
     assert sessions(loader) == stream[144:]
+
+
+def test_batch_size_is_per_device_under_dataparallel(eight_files):
+    """fit and evaluate under DataParallel load batch_size rows per GPU, as Hugging Face does.
+
+    DataParallel needs CUDA; on CPU torch's DataParallel calls the module itself, so the
+    model sees the whole batch the loader gives, which DataParallel would split over 2 GPUs.
+    """
+    dp = DistributedState("dp", 0, 0, 1, CPU, "2 GPUs, stood in for by the CPU", n_devices=2)
+    net = model()
+    seen = []
+    net.register_forward_pre_hook(lambda module, args: seen.append(len(args[0]["item_id-list"])))
+    fit(net, eight_files, epochs=1, batch_size=8, strategy=dp, progress=False)
+    assert seen == [16] * 12, seen
+    seen.clear()
+    evaluate(net, eight_files, strategy=dp, batch_size=8)
+    assert seen == [16] * 12, seen

@@ -159,7 +159,8 @@ class ShardedLoader:
     state : DistributedState
         ``rank``/``world_size`` pick the shard (global rank, not local).
     batch_size : int
-        Per-rank batch size.
+        Rows per batch that this process loads (:func:`make_loader` turns a
+        per-device batch size into this).
     input_names, target_names : sequence of str
         Columns to load.
     max_sequence_length : int or None
@@ -322,7 +323,9 @@ def make_loader(
         Gives the columns and ``max_sequence_length``.
     state : DistributedState
     batch_size : int
-        Per-rank batch size.
+        Per device, as in Hugging Face: a DataParallel process loads
+        ``batch_size * state.n_devices`` rows per batch, which DataParallel
+        splits over its GPUs.
     shuffle, seed, drop_last, equal_shards
         See :class:`ShardedLoader`.
     schema : optional
@@ -344,7 +347,7 @@ def make_loader(
     return ShardedLoader(
         as_dataset(data, schema),
         state,
-        batch_size,
+        batch_size * state.n_devices,
         inputs,
         targets,
         max_sequence_length=getattr(unwrap_model(model), "max_sequence_length", None),

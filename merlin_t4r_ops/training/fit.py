@@ -29,15 +29,20 @@ averaged by DDP's all-reduce; evaluation metrics are reduced exactly over the
 whole eval set and are equal on every rank; only the main process (global
 rank 0) prints and writes checkpoints.
 
-Learning rate under DDP
------------------------
-``batch_size`` is per rank, so one optimizer step sees a global batch of
-``world_size * batch_size`` examples, and an epoch has ``world_size`` times
-fewer steps. To keep training comparable to a single-process run with batch
+Batch size and learning rate
+----------------------------
+``batch_size`` is per device, as in Hugging Face's ``per_device_train_batch_size``:
+under DDP each rank loads ``batch_size`` rows; under DataParallel the one
+process loads ``batch_size * n_gpus`` rows and DataParallel splits them over
+its GPUs. Moving a script between ``python train.py`` (DataParallel) and
+``torchrun`` (DDP) on the same GPUs therefore keeps the global batch. One
+optimizer step sees ``n_devices * batch_size`` examples, and an epoch has
+``n_devices`` times fewer steps than on one device. To keep training comparable to a single-process run with batch
 ``B`` either keep the global batch (``batch_size = B // world_size``, same
 ``lr``) or keep the per-rank batch and scale the learning rate linearly,
 ``lr = base_lr * world_size`` (with a warm-up for large worlds; for Adam a
-square-root scaling is often safer). ``fit`` does not rescale ``lr`` for you.
+square-root scaling is often safer). ``fit`` does not rescale ``lr`` for you;
+``world_size`` stands for the number of devices under DataParallel as well.
 """
 
 import contextlib
@@ -115,7 +120,7 @@ def evaluate(
         See :func:`fit`.
     strategy : str or DistributedState
     batch_size : int
-        Per-rank batch size.
+        Per-device batch size (times the GPU count under DataParallel).
     amp : bool
         Autocast the forward pass (CUDA only).
 
@@ -155,7 +160,7 @@ def _check_args(epochs, batch_size, amp, state, resume, checkpoint_dir, lr_sched
     if not isinstance(epochs, int) or epochs < 0:
         raise ValueError(f"epochs must be a non-negative int, got {epochs!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int (per rank), got {batch_size!r}")
+        raise ValueError(f"batch_size must be a positive int (per device), got {batch_size!r}")
     if amp and state.device.type != "cuda":
         raise StrategyError(
             f"amp=True expects a CUDA device (autocast float16 + GradScaler); this process "
@@ -227,8 +232,11 @@ def fit(
         ``torch.autocast`` float16 + ``GradScaler``; CUDA only, on CPU it
         raises :class:`StrategyError` rather than silently training in fp32.
     batch_size : int
-        Per-rank batch size (global batch = ``world_size * batch_size``; see
-        the module docstring for learning-rate scaling).
+        Per device, as in Hugging Face. Under DDP each rank loads
+        ``batch_size`` rows (global batch ``world_size * batch_size``); under
+        DataParallel the process loads ``batch_size * n_gpus`` rows, which
+        DataParallel splits over the GPUs. See the module docstring for
+        learning-rate scaling.
     eval_batch_size : int, optional
         Defaults to ``batch_size``.
     lr : float
