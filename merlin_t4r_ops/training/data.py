@@ -30,6 +30,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
+from accelerate.utils import send_to_device
 
 from merlin_t4r_ops.training.metrics import prediction_tasks
 from merlin_t4r_ops.training.state import DistributedState, unwrap_model
@@ -360,10 +361,4 @@ def make_loader(
 
 def to_device(batch, device: torch.device):
     """Move a nested structure of tensors (dicts, lists, tuples) to ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
+    return send_to_device(batch, device, non_blocking=True)

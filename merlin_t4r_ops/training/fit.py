@@ -48,13 +48,12 @@ square-root scaling is often safer). ``fit`` does not rescale ``lr`` for you;
 import contextlib
 import logging
 import math
-import random
 import time
 from typing import Callable, List, Optional, Sequence, Union
 
-import numpy as np
 import torch
 import torch.distributed as dist
+from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from merlin_t4r_ops.errors import StrategyError
@@ -285,9 +284,7 @@ def fit(
             f"{type(model).__name__}; pass unwrap_model(model)"
         )
     if seed is not None:
-        torch.manual_seed(seed + state.rank)
-        np.random.seed(seed + state.rank)
-        random.seed(seed + state.rank)
+        set_seed(seed + state.rank)  # torch, CUDA, numpy and random
     model.to(state.device)
     train_loader = make_loader(
         train_data,
