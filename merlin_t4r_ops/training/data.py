@@ -16,10 +16,10 @@ of that stream. Shards therefore
 Merlin's ``Loader`` still reads the parquet partitions and turns them into
 tensors; this module only decides which rows each rank reads, in which order.
 
-List columns are padded to the model's ``max_sequence_length`` inside the
-loader: dense tensors are what ``DataParallel`` can scatter along the batch
-dimension (Merlin's ragged ``__values``/``__offsets`` pairs cannot be split
-that way).
+List columns are cropped and padded inside the loader, by the rule and to the
+width that the operator serves with (:mod:`merlin_t4r_ops.sequence`): dense
+tensors are what ``DataParallel`` can scatter along the batch dimension
+(Merlin's ragged ``__values``/``__offsets`` pairs cannot be split that way).
 """
 
 import bisect
@@ -32,10 +32,16 @@ import numpy as np
 import torch
 from accelerate.utils import send_to_device
 
+from merlin_t4r_ops.sequence import pad_lists_fn, resolve_sequence_length
 from merlin_t4r_ops.training.metrics import prediction_tasks
 from merlin_t4r_ops.training.state import DistributedState, unwrap_model
 
 __all__ = ["ShardedLoader", "make_loader", "model_columns", "shard_rows", "to_device"]
+
+DP_NEEDS_WIDTH = (
+    "strategy 'dp' needs dense [batch, width] tensors to split along the batch dimension "
+    "(it would split ragged values and offsets independently)"
+)
 
 
 def model_columns(model):
@@ -165,7 +171,9 @@ class ShardedLoader:
     input_names, target_names : sequence of str
         Columns to load.
     max_sequence_length : int or None
-        List columns are padded (and truncated) to this length.
+        List columns are cropped and padded to this length by
+        :func:`merlin_t4r_ops.sequence.crop_and_pad` (most recent items kept, as the
+        operator serves them); None leaves ragged columns as values/offsets pairs.
     shuffle : bool
         Shuffle the partition order, hence the shards, and the rows within each
         partition, every epoch, from ``(seed, epoch)``: every rank draws the
@@ -284,19 +292,15 @@ class ShardedLoader:
         return Loader(shard, self.batch_size, drop_last=self.drop_last, device=device)
 
     def _batches(self, epoch: int):
-        from transformers4rec.torch.utils.padding import pad_batch
-
         loader = self._epoch_loader(epoch)
         if loader is None:
             return
-        pad = (
-            {name: self.max_sequence_length for name in self.list_columns}
-            if self.max_sequence_length
-            else None
-        )
+        pad = None
+        if self.max_sequence_length:
+            pad = pad_lists_fn(self.max_sequence_length, self.list_columns)
         for x, y in loader:
             if pad:
-                x = pad_batch(x, pad)
+                x, y = pad(x, y)
             yield x, y
 
 
@@ -321,7 +325,8 @@ def make_loader(
         sharded by global rank; anything else is taken as a ready dataloader
         and used as is (shard it yourself under DDP).
     model : transformers4rec.torch.Model
-        Gives the columns and ``max_sequence_length``.
+        Gives the columns and the sequence length
+        (:func:`merlin_t4r_ops.sequence.resolve_sequence_length`, required under ``dp``).
     state : DistributedState
     batch_size : int
         Per device, as in Hugging Face: a DataParallel process loads
@@ -345,13 +350,16 @@ def make_loader(
             )
         return data
     inputs, targets = model_columns(model)
+    width = resolve_sequence_length(
+        unwrap_model(model), required_for=DP_NEEDS_WIDTH if state.strategy == "dp" else None
+    )
     return ShardedLoader(
         as_dataset(data, schema),
         state,
         batch_size * state.n_devices,
         inputs,
         targets,
-        max_sequence_length=getattr(unwrap_model(model), "max_sequence_length", None),
+        max_sequence_length=width,
         shuffle=shuffle,
         seed=seed,
         drop_last=drop_last,
