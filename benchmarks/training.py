@@ -16,8 +16,8 @@ Notes
 -----
 ``--batch-size`` is per device: DDP and DataParallel with N GPUs step on
 N x batch examples, so their final loss after the same number of epochs is not
-directly comparable with one device's (N times fewer steps). samples/s leaves out the first epoch (warm-up) when
-``--epochs`` > 1.
+directly comparable with one device's (N times fewer steps). samples/s leaves
+out the first epoch (warm-up) when ``--epochs`` > 1.
 """
 
 import argparse

@@ -210,7 +210,8 @@ def test_ddp_resume_with_node_local_disks_follows_rank_0(data, uneven_run):
     )
     (info0, w0), (info1, w1) = ranks
     assert_same_weights(w0, w1)
-    assert [h["epoch"] for h in info0["history"]] == [h["epoch"] for h in info1["history"]] == [1, 2, 3]
+    assert [h["epoch"] for h in info0["history"]] == [1, 2, 3]
+    assert [h["epoch"] for h in info1["history"]] == [1, 2, 3]
     # Rank 1 took epochs 1-2 from rank 0's file.
     assert info1["history"][:2] == uninterrupted[0][0]["history"]
     assert load_checkpoint(local / "0")["epoch"] == 3 and os.listdir(local / "1") == []

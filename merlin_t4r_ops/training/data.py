@@ -247,7 +247,9 @@ class ShardedLoader:
     def shard(self, epoch: int) -> List[Tuple[int, int, int]]:
         """``(partition, start, stop)`` row ranges this rank reads in ``epoch``, in order."""
         n = len(self.partition_lengths)
-        order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else range(n)
+        order = range(n)
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(n)
         return shard_rows(
             self.partition_lengths, list(order), self.state.rank, self.state.world_size,
             self.equal_shards,
