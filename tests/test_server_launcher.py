@@ -1,11 +1,16 @@
 """The launcher binds loopback, picks free ports, and leaves no process behind."""
 
+import contextlib
 import ipaddress
+import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -99,3 +104,51 @@ def test_cli_serves_in_the_foreground_until_interrupted(small_repository):
         os.killpg(process.pid, 2)
         process.wait(60)
     assert process.returncode == 0
+
+
+def _alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _port_is_free(port):
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_server_and_stubs_die_with_a_launcher_killed_by_sigkill(small_repository):
+    """SIGKILL leaves the launcher no chance to clean up: the kernel must end the server."""
+    _, path = small_repository
+    script = Path(__file__).parent / "serving_scripts" / "launch_and_wait.py"
+    launcher = subprocess.Popen([sys.executable, str(script), str(path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = launcher.stdout.readline()
+        assert line, f"the launcher printed nothing; its stderr:\n{launcher.stderr.read()[-3000:]}"
+        started = json.loads(line)
+        assert started["stubs"], "the Python backend should run the ensemble in a stub process"
+        assert _alive(started["server"]), "the server died with the thread that started it"
+    finally:
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(30)
+    pids = [started["server"], *started["stubs"]]
+    killed = time.monotonic()
+    deadline = killed + 10
+    while time.monotonic() < deadline and (
+            any(map(_alive, pids)) or not all(map(_port_is_free, started["ports"]))):
+        time.sleep(0.2)
+    try:
+        assert [pid for pid in pids if _alive(pid)] == [], "outlived its launcher"
+        assert all(map(_port_is_free, started["ports"]))
+        print(f"\nserver and {len(started['stubs'])} stub(s) gone, ports free, "
+              f"{time.monotonic() - killed:.1f} s after SIGKILL of the launcher")
+    finally:  # never leave them behind, whatever the outcome
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()

@@ -16,6 +16,7 @@ from typing import Dict, Iterator, List, Optional
 import psutil
 
 from merlin_t4r_ops.errors import ServerStartError
+from merlin_t4r_ops.serving.lifetime import popen_tied_to_this_process
 from merlin_t4r_ops.serving.triton_env import (
     backend_directory,
     server_environment,
@@ -180,7 +181,11 @@ def start_server(
     extra_args=(),
     log_path: Optional[Path] = None,
 ) -> TritonServer:
-    """Start ``tritonserver`` in its own process group and return without waiting."""
+    """Start ``tritonserver`` in its own process group and return without waiting.
+
+    The server gets SIGKILL when this process dies, however it dies, and its Python stubs
+    exit when they see their server gone: nothing keeps the ports or the GPU memory.
+    """
     if not Path(model_repository).is_dir():
         raise ServerStartError(f"model_repository {model_repository!r} is not a directory")
     grpc_port = grpc_port or free_port(host)
@@ -194,7 +199,7 @@ def start_server(
         os.close(handle)
         log_path = Path(name)
     with open(log_path, "ab") as log:
-        process = subprocess.Popen(
+        process = popen_tied_to_this_process(
             command,
             env=server_environment(),
             stdout=log,
