@@ -74,6 +74,10 @@ def test_tritonserver_on_path_works_with_merlins_own_launcher(small_repository):
     model, path = small_repository
     assert os.path.dirname(shutil.which("tritonserver")) == os.path.dirname(sys.executable)
     with run_triton_server(str(path), grpc_port=free_port()) as client:
+        (server,) = [p for p in psutil.Process().children(recursive=True)
+                     if p.name() == "tritonserver"]
+        # Merlin asks for gRPC on "localhost" and says nothing of HTTP and metrics.
+        assert _listening_addresses(server.pid) <= {"127.0.0.1", "::1"}
         df = factories.random_sessions(3, np.random.default_rng(1))
         got = infer_dataframe(client, df)["click/binary_classification_task"]
         np.testing.assert_allclose(got, factories.eager_scores(model, df).reshape(-1),

@@ -16,6 +16,7 @@ from typing import Dict, Iterator, List, Optional
 import psutil
 
 from merlin_t4r_ops.errors import ServerStartError
+from merlin_t4r_ops.serving.binding import LOOPBACK, warn_if_exposed
 from merlin_t4r_ops.serving.lifetime import popen_tied_to_this_process
 from merlin_t4r_ops.serving.triton_env import (
     backend_directory,
@@ -25,7 +26,6 @@ from merlin_t4r_ops.serving.triton_env import (
 
 __all__ = ["TritonServer", "triton_server", "server_command", "free_port"]
 
-LOOPBACK = "127.0.0.1"
 LOGGER = logging.getLogger(__name__)
 
 
@@ -39,7 +39,11 @@ def free_port(host: str = LOOPBACK) -> int:
 def server_command(
     model_repository, *, host: str, grpc_port: int, http_port: int, extra_args=()
 ) -> List[str]:
-    """The ``tritonserver`` command line for a repository, bound to ``host``."""
+    """The ``tritonserver`` command line for a repository, bound to ``host``.
+
+    Warns (:class:`~merlin_t4r_ops.errors.ExposedServerWarning`) when ``host`` is not loopback.
+    """
+    warn_if_exposed(host)
     return [
         str(tritonserver_executable()),
         f"--model-repository={Path(model_repository).resolve()}",
