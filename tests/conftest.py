@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import t4r_factories as factories  # noqa: E402
+import workflow_factories  # noqa: E402
 
 # What torchrun exports; with any of them set, strategy "auto" would pick DDP.
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -30,6 +31,9 @@ SERVED = {
     "next_item_topk": lambda: factories.next_item_model("gpt2", seed=2),
     "next_item_masked": lambda: factories.next_item_model("bert", seed=3),
     "binary": lambda: factories.binary_model(seed=4),
+    # Session-level scalar features (a device, an age) beside the lists.
+    "session_scalar": lambda: factories.next_item_model(
+        "gpt2", schema=workflow_factories.scalar_schema(), seed=8),
 }
 TOP_K = 10
 

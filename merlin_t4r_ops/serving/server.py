@@ -17,6 +17,7 @@ import psutil
 
 from merlin_t4r_ops.errors import ServerStartError
 from merlin_t4r_ops.serving.binding import LOOPBACK, warn_if_exposed
+from merlin_t4r_ops.serving.client import protocol_module
 from merlin_t4r_ops.serving.lifetime import popen_tied_to_this_process
 from merlin_t4r_ops.serving.triton_env import (
     backend_directory,
@@ -74,11 +75,17 @@ class TritonServer:
     _handled_stubs: set = field(default_factory=set, repr=False)
     _stub_models: dict = field(default_factory=dict, repr=False)
 
-    def client(self):
-        """A ``tritonclient.grpc.InferenceServerClient`` connected to this server."""
-        import tritonclient.grpc as grpcclient
+    def client(self, protocol: str = "grpc"):
+        """A ``tritonclient`` client of this server, closed when the server stops.
 
-        client = grpcclient.InferenceServerClient(self.grpc_url)
+        Parameters
+        ----------
+        protocol : {"grpc", "http"}
+            ``tritonclient.grpc`` on ``grpc_url``, or ``tritonclient.http`` on ``http_url``.
+        """
+        module = protocol_module(protocol)
+        url = self.grpc_url if protocol == "grpc" else self.http_url
+        client = module.InferenceServerClient(url)
         self._clients.append(client)
         return client
 
