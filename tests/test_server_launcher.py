@@ -4,6 +4,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -156,3 +157,38 @@ def test_server_and_stubs_die_with_a_launcher_killed_by_sigkill(small_repository
         for pid in pids:
             with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).kill()
+
+
+def test_a_failed_start_leads_with_the_failing_model_and_file(tmp_path):
+    model = factories.binary_model(seed=32)
+    Ensemble(model.input_schema.column_names >> PredictT4RPyTorch(model),
+             model.input_schema).export(str(tmp_path))
+    weights = next(tmp_path.glob("executor_model/1/ensemble/t4r_model_*/weights.pt"))
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ServerStartError) as caught:
+        with triton_server(tmp_path, timeout=180):
+            pass
+    lines = str(caught.value).splitlines()
+    assert re.fullmatch(
+        r"model 'executor_model' \(version 1\) failed to load: .*ArtifactError: "
+        + re.escape(str(weights)) + r" has SHA-256 [0-9a-f]{64}, the manifest expects "
+        r"[0-9a-f]{64}: the file was changed after export", lines[0]), lines[0]
+    assert any(re.fullmatch(r"tritonserver exited with code 1 before it was ready\. "
+                            r"Its full log \(.*\):", line) for line in lines[1:12])
+
+
+def test_a_start_that_fails_outside_the_models_leads_with_tritons_error():
+    from merlin_t4r_ops.serving.triton_log import failure_causes
+
+    log = (  # the end of a log whose gRPC port was taken, abridged
+        'E1203 13:14:24.021256 8439 server.cc:241] "CudaDriverHelper has not been initialized."\n'
+        'I1203 13:14:38.771211 8439 model_lifecycle.cc:839] "successfully loaded \'m\'"\n'
+        "E1203 13:14:38.772684706    8439 chttp2_server.cc:1060]  UNKNOWN:No address added\n"
+        'E1203 13:14:38.778314 8439 main.cc:245] "failed to start GRPC service: Unavailable - '
+        "Socket '127.0.0.1:39153' already in use \"\n"
+    )
+    assert failure_causes(log) == [
+        "failed to start GRPC service: Unavailable - Socket '127.0.0.1:39153' already in use"]
+    assert failure_causes("I1203 1:2:3.4 5 a.cc:1] \"fine\"\n") == []

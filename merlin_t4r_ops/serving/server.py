@@ -19,6 +19,7 @@ from merlin_t4r_ops.errors import ServerStartError
 from merlin_t4r_ops.serving.binding import LOOPBACK, warn_if_exposed
 from merlin_t4r_ops.serving.client import protocol_module
 from merlin_t4r_ops.serving.lifetime import popen_tied_to_this_process
+from merlin_t4r_ops.serving.triton_log import failure_causes
 from merlin_t4r_ops.serving.triton_env import (
     backend_directory,
     server_environment,
@@ -105,18 +106,22 @@ class TritonServer:
         with grpcclient.InferenceServerClient(self.grpc_url) as probe:
             while time.monotonic() < deadline:
                 if not self.is_alive():
-                    raise ServerStartError(
-                        f"tritonserver exited with code {self.process.returncode} before it was "
-                        f"ready. Its log:\n{self.logs()}"
+                    raise self._start_error(
+                        f"tritonserver exited with code {self.process.returncode} before it "
+                        "was ready"
                     )
                 with contextlib.suppress(InferenceServerException):
                     if probe.is_server_ready():
                         self.remember_stubs()
                         return
                 time.sleep(0.2)
-        raise ServerStartError(
-            f"tritonserver was not ready after {timeout:.0f} s. Its log:\n{self.logs()}"
-        )
+        raise self._start_error(f"tritonserver was not ready after {timeout:.0f} s")
+
+    def _start_error(self, what: str) -> ServerStartError:
+        """The cause first (the failing model and its error, from the log), then the log."""
+        log = self.logs()
+        causes = "".join(f"{cause}\n" for cause in failure_causes(log))
+        return ServerStartError(f"{causes}{what}. Its full log ({self.log_path}):\n{log}")
 
     def remember_stubs(self) -> None:
         """Record which model each live stub serves: a dead stub's command line is gone."""
