@@ -36,6 +36,7 @@ SERVED = {
         "gpt2", schema=workflow_factories.scalar_schema(), seed=8),
 }
 TOP_K = 10
+MASKED_TOP_K = 100  # wide enough that an untrained model ranks reserved ids inside it
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +54,7 @@ def session_workflow(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def model_repository(tmp_path_factory, served_models, session_workflow):
-    """Each model exported as its own ensemble, plus one with a workflow in front."""
+    """Each model exported as its own ensemble, plus two with a workflow in front."""
     from merlin.systems.dag import Ensemble
 
     from merlin_t4r_ops import PredictT4RPyTorch
@@ -67,6 +68,9 @@ def model_repository(tmp_path_factory, served_models, session_workflow):
     workflow, workflow_model, _ = session_workflow
     factories.workflow_ensemble(workflow, workflow_model, top_k=TOP_K).export(
         str(path), name="session_topk"
+    )
+    factories.seen_and_plain_ensemble(workflow, workflow_model, MASKED_TOP_K).export(
+        str(path), name="session_unseen"
     )
     return path
 

@@ -65,6 +65,15 @@ def _short_offsets(arrays):
     return _replace(arrays, "item_id-list__offsets", offsets)
 
 
+def _lists_that_disagree(arrays):
+    """Session 1 holds 3 items, 5 categories and 1 price; every offsets array is valid."""
+    df = factories.random_sessions(4, np.random.default_rng(5))
+    df.at[1, "item_id-list"] = np.array([1, 2, 3], dtype=np.int64)
+    df.at[1, "category-list"] = np.array([1, 2, 3, 4, 5], dtype=np.int64)
+    df.at[1, "price-list"] = np.array([0.5], dtype=np.float32)
+    return dataframe_arrays(df, {name: a.dtype for name, a in arrays.items()})
+
+
 def _empty_batch(arrays):
     return {name: (np.zeros(1, dtype=a.dtype) if name.endswith("__offsets")
                    else np.zeros(0, dtype=a.dtype)) for name, a in arrays.items()}
@@ -88,6 +97,11 @@ BAD_REQUESTS = {
     "decreasing offsets": (_decreasing_offsets, r"Offsets must be in increasing order"),
     "offsets that miss values": (
         _short_offsets, r"The last offset must match the length of the values"
+    ),
+    "list columns that disagree in length": (
+        _lists_that_disagree,
+        r"row 1: the list inputs disagree on the session's length: "
+        r"\{'item_id-list': 3, 'category-list': 5, 'price-list': 1\}",
     ),
     "extra input": (
         lambda a: _replace(a, "not_a_feature", np.zeros(4, dtype=np.float32)), r"not_a_feature"

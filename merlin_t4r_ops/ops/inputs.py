@@ -1,9 +1,9 @@
 """Turn the columns of a request into the padded tensors a T4R model takes, or say why not.
 
-Sessions arrive as ragged lists (values and offsets) or as fixed-length lists. The model
-wants ``[batch, sequence_length]`` tensors, right-padded with 0. A session longer than the
-model's sequence length keeps its most recent items: T4R's own ``pad_inputs`` crops from the
-right and keeps the oldest ones, which is right for nothing at serving time.
+Sessions arrive as ragged lists (values and offsets) or as fixed-length lists, right-padded
+with 0. The model wants ``[batch, sequence_length]`` tensors: :mod:`merlin_t4r_ops.sequence`
+crops and pads them exactly as training does (most recent items kept). Every list column of a
+session holds one value per event, so columns that disagree on a session's length are refused.
 """
 
 from dataclasses import dataclass
@@ -14,6 +14,7 @@ import torch
 
 from merlin.schema import Schema, Tags
 from merlin_t4r_ops.errors import InvalidRequestError
+from merlin_t4r_ops.sequence import crop_and_pad, crop_and_pad_rows, padded_lengths
 
 __all__ = ["InputSpec", "input_specs", "to_model_inputs"]
 
@@ -70,25 +71,6 @@ def _lengths_from_offsets(name: str, offsets: np.ndarray, n_values: int) -> np.n
     return lengths.astype(np.int64)
 
 
-def _padded_lengths(values: np.ndarray) -> np.ndarray:
-    """Per-row length of a right-padded id matrix: one past the last non-zero id."""
-    nonzero = values != 0
-    width = values.shape[1]
-    last = width - np.argmax(nonzero[:, ::-1], axis=1)
-    return np.where(nonzero.any(axis=1), last, 0).astype(np.int64)
-
-
-def _most_recent(flat: np.ndarray, ends: np.ndarray, lengths: np.ndarray, width: int):
-    """``[rows, width]``: the last ``min(length, width)`` values before each end, then zeros."""
-    kept = np.minimum(lengths, width)
-    positions = np.arange(width)
-    index = (ends - kept)[:, None] + positions[None, :]
-    inside = positions[None, :] < kept[:, None]
-    if flat.size == 0:
-        return np.zeros((len(ends), width), dtype=flat.dtype)
-    return np.where(inside, flat[np.clip(index, 0, flat.size - 1)], 0).astype(flat.dtype)
-
-
 def _check_ids(spec: InputSpec, values: np.ndarray) -> None:
     if not np.issubdtype(values.dtype, np.integer):
         raise InvalidRequestError(
@@ -128,7 +110,8 @@ def to_model_inputs(
     ------
     InvalidRequestError
         Naming the input and the problem: missing, empty, bad offsets, bad dtype, bad ids,
-        or columns whose row counts disagree.
+        columns whose row counts disagree, or list columns that disagree on a session's
+        length (naming the row).
     """
     present = set(table.columns)
     missing = [spec.name for spec in specs if spec.name not in present]
@@ -165,39 +148,71 @@ def to_model_inputs(
             f"the request has 0 rows in {sorted(rows)}; send at least one session"
         )
 
-    # Fixed-width lists are right-padded with id 0; their categorical columns tell how long
-    # each session really is, and every list column of the session shares that length.
-    fixed_lengths = None
     for spec in specs:
         values, lengths = columns[spec.name]
-        if spec.is_list and spec.is_categorical and lengths is None:
-            row_lengths = _padded_lengths(values)
-            fixed_lengths = (row_lengths if fixed_lengths is None
-                             else np.maximum(fixed_lengths, row_lengths))
+        columns[spec.name] = (_checked_values(spec, values), lengths)
+    session = _session_lengths(specs, columns)
 
     tensors = {}
     for spec in specs:
         values, lengths = columns[spec.name]
-        if spec.is_categorical:
-            _check_ids(spec, values)
-            values = values.astype(np.int64, copy=False)
-        elif not np.issubdtype(values.dtype, np.number):
-            raise InvalidRequestError(
-                f"input {spec.name!r}: expected numbers, got dtype {values.dtype}"
-            )
-        else:
-            values = values.astype(np.float32, copy=False)
-        if spec.is_list:
-            if lengths is not None:  # ragged
-                ends = np.cumsum(lengths)
-                values = _most_recent(values, ends, lengths, sequence_length)
-            else:  # fixed width, right-padded
-                row_lengths = (
-                    fixed_lengths if fixed_lengths is not None
-                    else np.full(n_rows, values.shape[1], dtype=np.int64)
-                )
-                width = values.shape[1]
-                ends = np.arange(1, n_rows + 1) * width - (width - row_lengths)
-                values = _most_recent(values.reshape(-1), ends, row_lengths, sequence_length)
+        if spec.is_list and lengths is not None:  # ragged
+            values = crop_and_pad(values, lengths, sequence_length)
+        elif spec.is_list:  # fixed width, right-padded
+            rows_lengths = session if session is not None else np.full(n_rows, values.shape[1])
+            values = crop_and_pad_rows(values, rows_lengths, sequence_length)
         tensors[spec.name] = torch.from_numpy(np.ascontiguousarray(values)).to(device)
     return tensors
+
+
+def _checked_values(spec: InputSpec, values: np.ndarray) -> np.ndarray:
+    """``values`` as the model's dtype: int64 ids in range, or float32 numbers."""
+    if spec.is_categorical:
+        _check_ids(spec, values)
+        return values.astype(np.int64, copy=False)
+    if not np.issubdtype(values.dtype, np.number):
+        raise InvalidRequestError(
+            f"input {spec.name!r}: expected numbers, got dtype {values.dtype}"
+        )
+    return values.astype(np.float32, copy=False)
+
+
+def _session_lengths(specs: List[InputSpec], columns) -> Optional[np.ndarray]:
+    """The one length per session that every list column agrees on, or None if none tells.
+
+    Ragged columns tell it by their offsets, fixed-width id columns by where their padding
+    (id 0) starts; a fixed-width column of floats can only be too narrow for it.
+
+    Raises
+    ------
+    InvalidRequestError
+        Naming the first row whose list columns disagree, and each column's length there.
+    """
+    known, widths = {}, {}
+    for spec in specs:
+        values, lengths = columns[spec.name]
+        if not spec.is_list:
+            continue
+        if lengths is not None:
+            known[spec.name] = lengths
+        elif spec.is_categorical:
+            known[spec.name] = padded_lengths(values)
+        else:
+            widths[spec.name] = values.shape[1]
+    if not known:
+        return None
+    session = next(iter(known.values()))
+    bad = np.zeros(len(session), dtype=bool)
+    for name, lengths in known.items():
+        bad |= lengths != session
+    for name, width in widths.items():
+        bad |= session > width
+    if bad.any():
+        row = int(np.argmax(bad))
+        found = {name: int(lengths[row]) for name, lengths in known.items()}
+        found.update({name: f"at most {width}" for name, width in widths.items()})
+        raise InvalidRequestError(
+            f"row {row}: the list inputs disagree on the session's length: {found}; every list "
+            "column holds one value per event of the session"
+        )
+    return session

@@ -6,10 +6,10 @@ rank a contiguous block of dataset partitions; we repartition to a multiple of
 the world size first so the blocks are disjoint, cover the whole dataset and
 are close to equal (``fit`` still tolerates unequal shards with DDP's ``join``).
 
-List columns are padded to the model's ``max_sequence_length`` inside the
-loader: dense tensors are what ``DataParallel`` can scatter along the batch
-dimension (Merlin's ragged ``__values``/``__offsets`` pairs cannot be split
-that way).
+List columns are cropped and padded inside the loader, by the rule and to the
+width that the operator serves with (:mod:`merlin_t4r_ops.sequence`): dense
+tensors are what ``DataParallel`` can scatter along the batch dimension
+(Merlin's ragged ``__values``/``__offsets`` pairs cannot be split that way).
 """
 
 import glob
@@ -18,10 +18,16 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
+from merlin_t4r_ops.sequence import pad_lists_fn, resolve_sequence_length
 from merlin_t4r_ops.training.metrics import prediction_tasks
 from merlin_t4r_ops.training.state import DistributedState, unwrap_model
 
 __all__ = ["ShardedLoader", "make_loader", "model_columns", "to_device"]
+
+DP_NEEDS_WIDTH = (
+    "strategy 'dp' needs dense [batch, width] tensors to split along the batch dimension "
+    "(it would split ragged values and offsets independently)"
+)
 
 
 def model_columns(model):
@@ -70,7 +76,9 @@ class ShardedLoader:
     input_names, target_names : sequence of str
         Columns to load.
     max_sequence_length : int or None
-        List columns are padded (and truncated) to this length.
+        List columns are cropped and padded to this length by
+        :func:`merlin_t4r_ops.sequence.crop_and_pad` (most recent items kept, as the
+        operator serves them); None leaves ragged columns as values/offsets pairs.
     shuffle : bool
         Shuffle partitions and rows each epoch, from ``seed + epoch`` so every
         rank draws the same partition order and the shards stay disjoint.
@@ -148,16 +156,12 @@ class ShardedLoader:
         return len(self._loader)
 
     def __iter__(self):
-        from transformers4rec.torch.utils.padding import pad_batch
-
-        pad = (
-            {name: self.max_sequence_length for name in self.list_columns}
-            if self.max_sequence_length
-            else None
-        )
+        pad = None
+        if self.max_sequence_length:
+            pad = pad_lists_fn(self.max_sequence_length, self.list_columns)
         for x, y in self._loader:
             if pad:
-                x = pad_batch(x, pad)
+                x, y = pad(x, y)
             yield x, y
 
 
@@ -180,7 +184,8 @@ def make_loader(
         sharded by global rank; anything else is taken as a ready dataloader
         and used as is (shard it yourself under DDP).
     model : transformers4rec.torch.Model
-        Gives the columns and ``max_sequence_length``.
+        Gives the columns and the sequence length
+        (:func:`merlin_t4r_ops.sequence.resolve_sequence_length`, required under ``dp``).
     state : DistributedState
     batch_size : int
         Per-rank batch size.
@@ -200,13 +205,16 @@ def make_loader(
             )
         return data
     inputs, targets = model_columns(model)
+    width = resolve_sequence_length(
+        unwrap_model(model), required_for=DP_NEEDS_WIDTH if state.strategy == "dp" else None
+    )
     return ShardedLoader(
         _as_dataset(data),
         state,
         batch_size,
         inputs,
         targets,
-        max_sequence_length=getattr(unwrap_model(model), "max_sequence_length", None),
+        max_sequence_length=width,
         shuffle=shuffle,
         seed=seed,
         drop_last=drop_last,

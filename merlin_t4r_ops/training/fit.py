@@ -203,8 +203,9 @@ def fit(
         rank, unwrapped, on ``state.device``, with ``requires_grad`` flags as given.
     train_data : str, os.PathLike, list of them, merlin.io.Dataset, or iterable of (x, y)
         Parquet path(s) (with ``schema.pbtxt``) or a Dataset: ``fit`` builds
-        per-rank Merlin loaders from the model's input schema, targets and
-        ``max_sequence_length``, sharded by global rank. Anything else is a
+        per-rank Merlin loaders from the model's input schema and targets,
+        sharded by global rank, with sessions cropped and padded as the
+        operator serves them (:mod:`merlin_t4r_ops.sequence`). Anything else is a
         ready dataloader used as is (re-iterable; shard it yourself under DDP).
         Under DDP, shards of unequal size are evened out like
         ``DistributedSampler`` pads: a rank with fewer batches repeats batches

@@ -8,6 +8,10 @@ through Hugging Face, but
 * evaluates with the unwrapped model, i.e. on one GPU under DataParallel;
 * under DDP gathers losses and labels but not predictions, and does collectives
   per eval batch (a hang or shape error when ranks' batches differ);
+* crops long sessions with ``pad_batch``, which keeps the *oldest* items, where
+  serving keeps the most recent, and pads nothing when
+  ``args.max_sequence_length`` is unset (ragged batches that DataParallel
+  splits wrongly);
 * reports a loss that is a mean of per-batch means (each batch weighted by the
   nominal batch size, then truncated to the local example count), and ranking
   metrics that rely on torchmetrics' implicit all-gather of every per-example
@@ -28,9 +32,11 @@ from transformers.training_args import ParallelMode
 from transformers4rec.config.trainer import T4RecTrainingArguments
 from transformers4rec.torch import Trainer as T4RTrainer
 from transformers4rec.torch.model.prediction_task import NextItemPredictionTask
-from transformers4rec.torch.utils.data_utils import T4RecDataLoader
+from transformers4rec.torch.utils.data_utils import MerlinDataLoader, T4RecDataLoader
 
 from merlin_t4r_ops.errors import StrategyError
+from merlin_t4r_ops.sequence import pad_lists_fn, resolve_sequence_length
+from merlin_t4r_ops.training.data import DP_NEEDS_WIDTH
 from merlin_t4r_ops.training.metrics import MetricAccumulator
 from merlin_t4r_ops.training.state import DistributedState, resolve_strategy, unwrap_model
 
@@ -131,11 +137,21 @@ class Trainer(T4RTrainer):
             raise ValueError("a dataset path (or Merlin Dataset) is required; got None")
         rank, size = data_shard(self.dist_state)
         device = self.dist_state.device
-        loader = T4RecDataLoader.parse(self.args.data_loader_engine).from_schema(
+        loader_class = T4RecDataLoader.parse(self.args.data_loader_engine)
+        if not issubclass(loader_class, MerlinDataLoader):
+            raise ValueError(
+                f"data_loader_engine={self.args.data_loader_engine!r} crops sessions inside "
+                "T4R's dataset, keeping the oldest items; this Trainer supports 'merlin' only"
+            )
+        width = resolve_sequence_length(
+            unwrap_model(self.model), requested=self.args.max_sequence_length,
+            required_for=DP_NEEDS_WIDTH if self.dist_state.strategy == "dp" else None,
+        )
+        loader = loader_class.from_schema(
             self.schema,
             path,
             batch_size,
-            max_sequence_length=self.args.max_sequence_length,
+            max_sequence_length=None,  # T4R's pad_batch keeps the oldest items; see below
             drop_last=self.args.dataloader_drop_last,
             shuffle=shuffle,
             shuffle_buffer_size=self.args.shuffle_buffer_size,
@@ -144,6 +160,11 @@ class Trainer(T4RTrainer):
             device=device.index if device.type == "cuda" else None,
             seed_fn=_SharedEpochSeed(self.args.seed) if shuffle else None,
         )
+        if width:
+            # The wrapped Merlin Loader maps each batch: the operator's crop and pad.
+            lists = [c.name for c in loader.dataset.output_schema if c.is_list]
+            loader.dataset.map(pad_lists_fn(width, lists))
+            loader.max_sequence_length = width
         return loader
 
     def get_train_dataloader(self):

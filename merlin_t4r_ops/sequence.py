@@ -1,0 +1,239 @@
+"""How wide a model's sessions are, and the one rule that crops and pads them.
+
+Training and serving must show a model its sessions the same way: ``width`` positions, the
+most recent items kept, right-padded with 0. T4R's ``pad_batch`` (used by its dataloaders and
+by ``Model.forward``) crops from the right and keeps the *oldest* items, so a model trained
+through it learns and is scored on "predict item ``width``", never on the session's real next
+item. ``fit``'s loader, the ``Trainer``'s loader and ``PredictT4RPyTorch`` all go through
+:func:`crop_and_pad`, at the width :func:`resolve_sequence_length` finds.
+"""
+
+import logging
+import numbers
+from typing import Callable, Iterable, Mapping, Optional
+
+import numpy as np
+import torch
+
+from merlin_t4r_ops.errors import T4ROpsError
+
+__all__ = [
+    "crop_and_pad",
+    "crop_and_pad_rows",
+    "padded_lengths",
+    "pad_lists_fn",
+    "resolve_sequence_length",
+]
+
+logger = logging.getLogger(__name__)
+
+# T4R's Config.build stores total_seq_length under each architecture's own name, some with 2
+# extra positions "to account for target positions at inference mode" (GPT2: n_positions;
+# BERT, ALBERT, ELECTRA, RoBERTa, Reformer: max_position_embeddings). XLNet keeps none.
+_T4R_LENGTH_FIELDS = (("total_seq_length", 0), ("n_positions", 0), ("max_position_embeddings", 2))
+_FROM_SCHEMA = "the schema's value_count.max"
+
+
+def _core_schema(schema):
+    from merlin.schema import Schema
+
+    if schema is None or isinstance(schema, Schema):
+        return schema
+    from transformers4rec.torch.utils.data_utils import to_core_schema
+
+    return to_core_schema(schema)  # a merlin_standard_lib schema, as T4R's Trainer accepts
+
+
+def _list_names(schema) -> list:
+    return [column.name for column in schema if column.is_list] if schema is not None else []
+
+
+def _input_block_length(model, schema) -> Optional[int]:
+    """The width ``TabularSequenceFeatures.from_schema(max_sequence_length=...)`` was built for.
+
+    T4R keeps it only in the block's ``input_size``: ``[batch, width]`` per list column.
+    """
+    from transformers4rec.torch.features.tabular import TabularFeatures
+
+    names = _list_names(schema)
+    for module in model.modules():
+        sizes = getattr(module, "input_size", None)
+        if isinstance(module, TabularFeatures) and isinstance(sizes, dict):
+            widths = [sizes[n][1] for n in names if n in sizes and len(sizes[n]) > 1]
+            widths = [int(w) for w in widths if w and w > 0]
+            if widths:
+                return max(widths)
+    return None
+
+
+def _transformer_length(model) -> Optional[int]:
+    """``total_seq_length`` of the T4R transformer config, where ``build`` kept it."""
+    from transformers4rec.config.transformer import T4RecConfig
+
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if not isinstance(config, T4RecConfig):
+            continue  # a plain Hugging Face config's position limit is not a training width
+        for field, extra in _T4R_LENGTH_FIELDS:
+            value = getattr(config, field, None)
+            if isinstance(value, int) and value - extra > 0:
+                return value - extra
+    return None
+
+
+def _schema_length(schema) -> Optional[int]:
+    widths = [column.shape.dims[1].max for column in schema or []
+              if column.is_list and column.shape.dims and len(column.shape.dims) > 1]
+    widths = [int(w) for w in widths if w]
+    return max(widths) if widths else None
+
+
+def resolve_sequence_length(
+    model, schema=None, *, requested=None, required_for: Optional[str] = None
+) -> Optional[int]:
+    """The width sessions are cropped and padded to, for training and serving alike.
+
+    Looked up in this order: ``requested``, ``model.max_sequence_length``, the input block's
+    ``max_sequence_length``, the T4R transformer config's ``total_seq_length``, the schema's
+    largest ``value_count.max`` of a list column.
+
+    Parameters
+    ----------
+    model : transformers4rec.torch.Model
+        Unwrapped (not inside DataParallel/DDP).
+    schema : merlin.schema.Schema or merlin_standard_lib Schema, optional
+        Default ``model.input_schema``.
+    requested : int, optional
+        An explicit width (the operator's ``max_sequence_length=``, the ``Trainer``'s
+        ``args.max_sequence_length``); it wins, with a warning if the model says otherwise.
+    required_for : str, optional
+        Why a width is needed; with it, finding none raises instead of returning None.
+
+    Returns
+    -------
+    int or None
+
+    Raises
+    ------
+    T4ROpsError
+        ``requested`` is not a positive int, or ``required_for`` is given and no width is
+        known; the message names every place looked at.
+    """
+    if requested is not None and (
+        isinstance(requested, bool) or not isinstance(requested, numbers.Integral)
+        or requested < 1
+    ):
+        raise T4ROpsError(f"max_sequence_length must be a positive int, got {requested!r}")
+    schema = _core_schema(model.input_schema if schema is None else schema)
+    found = {
+        "model.max_sequence_length": getattr(model, "max_sequence_length", None),
+        "the input block's max_sequence_length": _input_block_length(model, schema),
+        "the transformer config's total_seq_length": _transformer_length(model),
+        _FROM_SCHEMA: _schema_length(schema),
+    }
+    source, width = next(((s, int(w)) for s, w in found.items() if w), (None, None))
+    if requested is not None:
+        if source not in (None, _FROM_SCHEMA) and width != requested:
+            logger.warning("max_sequence_length=%d overrides %s=%d", requested, source, width)
+        return int(requested)
+    if width is None and required_for:
+        raise T4ROpsError(
+            f"the sequence length is unknown, and {required_for}: looked at "
+            f"{', '.join(found)}, and none is set; pass max_sequence_length="
+        )
+    return width
+
+
+def crop_and_pad(values, lengths, width: int):
+    """``[rows, width, ...]``: each row's last ``min(length, width)`` values, then zeros.
+
+    Parameters
+    ----------
+    values : torch.Tensor or numpy.ndarray
+        The rows' values one after another (Merlin's ``__values``): first dimension
+        ``sum(lengths)``, any trailing dimensions (pretrained embeddings) kept.
+    lengths : torch.Tensor or numpy.ndarray
+        Values per row.
+    width : int
+
+    Returns
+    -------
+    torch.Tensor or numpy.ndarray
+        Of the same kind, dtype and device as ``values``.
+    """
+    lengths = lengths.cpu().numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
+    kept = np.minimum(lengths, width)
+    positions = np.arange(width)
+    inside = positions[None, :] < kept[:, None]
+    source = ((np.cumsum(lengths) - kept)[:, None] + positions[None, :])[inside]
+    shape = (len(lengths), width) + tuple(values.shape[1:])
+    if isinstance(values, torch.Tensor):
+        padded = values.new_zeros(shape)
+        inside = torch.from_numpy(inside).to(values.device)
+        source = torch.from_numpy(source).to(values.device)
+    else:
+        padded = np.zeros(shape, dtype=values.dtype)
+    padded[inside] = values[source]
+    return padded
+
+
+def crop_and_pad_rows(matrix, lengths, width: int):
+    """:func:`crop_and_pad` for right-padded ``[rows, n]`` lists whose rows hold ``lengths``."""
+    lengths = lengths.cpu().numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
+    held = np.arange(matrix.shape[1])[None, :] < lengths[:, None]
+    if isinstance(matrix, torch.Tensor):
+        held = torch.from_numpy(held).to(matrix.device)
+    return crop_and_pad(matrix[held], lengths, width)
+
+
+def padded_lengths(ids) -> np.ndarray:
+    """Per-row length of a right-padded ``[rows, n]`` id matrix: one past its last non-zero id.
+
+    Id 0 is T4R's padding id, so trailing zeros are padding.
+    """
+    nonzero = np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids) != 0
+    last = nonzero.shape[1] - np.argmax(nonzero[:, ::-1], axis=1)
+    return np.where(nonzero.any(axis=1), last, 0).astype(np.int64)
+
+
+def _dense_session_lengths(batch: Mapping, names: Iterable[str]) -> Optional[np.ndarray]:
+    """Session lengths of fixed-width list columns: the id columns tell where padding starts."""
+    ids = [padded_lengths(batch[n]) for n in names if not batch[n].is_floating_point()]
+    return np.maximum.reduce(ids) if ids else None
+
+
+def _pad_lists(batch: Mapping, width: int, list_columns) -> dict:
+    dense = [n for n in list_columns if n in batch]
+    dense_lengths = _dense_session_lengths(batch, dense)
+    padded = {}
+    for key, value in batch.items():
+        if key.endswith("__offsets"):
+            continue
+        if key.endswith("__values"):
+            name = key[: -len("__values")]
+            offsets = batch[f"{name}__offsets"].reshape(-1)
+            padded[name] = crop_and_pad(value, offsets[1:] - offsets[:-1], width)
+        elif key in dense:
+            lengths = dense_lengths if dense_lengths is not None else [value.shape[1]] * len(value)
+            padded[key] = crop_and_pad_rows(value, lengths, width)
+        else:
+            padded[key] = value
+    return padded
+
+
+def pad_lists_fn(width: int, list_columns: Iterable[str] = ()) -> Callable:
+    """A Merlin loader's ``(x, y) -> (x, y)`` map giving every list column ``[rows, width]``.
+
+    Ragged columns (``name__values``/``name__offsets``) and the fixed-width ``list_columns``
+    go through :func:`crop_and_pad`: dense tensors are what DataParallel can split along the
+    batch dimension, where it would split values and offsets independently.
+    """
+    list_columns = tuple(list_columns)
+
+    def pad(x, y=None):
+        x = _pad_lists(x, width, list_columns)
+        if isinstance(y, dict):
+            y = _pad_lists(y, width, list_columns)
+        return x, y
+
+    return pad
