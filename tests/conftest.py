@@ -62,9 +62,10 @@ def model_repository(tmp_path_factory, served_models, session_workflow):
     path = tmp_path_factory.mktemp("model_repository")
     for name, model in served_models.items():
         op = PredictT4RPyTorch(model, top_k=TOP_K if name == "next_item_topk" else None)
-        Ensemble(model.input_schema.column_names >> op, model.input_schema).export(
-            str(path), name=name
-        )
+        answer, inputs = model.input_schema.column_names >> op, model.input_schema
+        if name == "session_scalar":  # and a request id that travels beside the answer
+            answer, inputs = workflow_factories.with_request_id(answer, inputs)
+        Ensemble(answer, inputs).export(str(path), name=name)
     workflow, workflow_model, _ = session_workflow
     factories.workflow_ensemble(workflow, workflow_model, top_k=TOP_K).export(
         str(path), name="session_topk"

@@ -51,6 +51,7 @@ def test_session_level_scalar_features_are_sent_as_declared(triton, served_model
     got = np.stack(served["next-item"])
     np.testing.assert_allclose(got, workflows.eager_scores(served_models["session_scalar"], df),
                                rtol=RTOL, atol=ATOL)
+    np.testing.assert_array_equal(served[workflows.REQUEST_ID], df[workflows.REQUEST_ID])
     # The scalars reach the model: other devices and ages give other scores.
     changed = df.assign(device=(df["device"] + 1) % workflows.DEVICES, user_age=df["user_age"] / 2)
     assert not np.allclose(np.stack(infer_dataframe(_client(triton, protocol), changed,

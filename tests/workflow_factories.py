@@ -16,6 +16,7 @@ import t4r_factories as factories
 
 DEVICES = 5
 SESSION_ID = "session_id"
+REQUEST_ID = "request_id"
 LABEL = "purchase"
 SCALARS = ["device", "user_age"]
 LISTS = ["item_id-list", "category-list", "price-list"]
@@ -29,8 +30,16 @@ def scalar_schema() -> Schema:
     return Schema([*factories.session_schema(), device, age])
 
 
+def with_request_id(answer, input_schema):
+    """The graph ``answer`` with the request's ``request_id`` column beside its outputs."""
+    request_id = ColumnSchema(REQUEST_ID, dtype=np.int64)
+    return answer + [REQUEST_ID], input_schema + Schema([request_id])
+
+
 def scalar_sessions(n: int, rng: np.random.Generator) -> pd.DataFrame:
+    """Sessions with a device id and an age each, and a request id that the model ignores."""
     df = factories.random_sessions(n, rng)
+    df[REQUEST_ID] = rng.permutation(n).astype(np.int64) + 5_000
     df["device"] = rng.integers(0, DEVICES, size=n).astype(np.int64)
     df["user_age"] = rng.uniform(0.0, 1.0, size=n).astype(np.float32)
     return df
