@@ -1,29 +1,41 @@
-"""Serving latency of a T4R next-item model: eager floor vs Merlin's local runtime vs Triton.
+"""Serving latency of a T4R next-item model: eager and CUDA graphs, in process and on Triton.
 
-Four paths side by side, for the same sessions:
+Paths, side by side on the same sessions (``--paths`` picks; the first four by default):
 
-* ``eager``       the floor: ``model(padded tensors)`` under ``torch.inference_mode``;
-* ``local``       ``ensemble.transform(TensorTable)``, Merlin's in-process runtime;
-* ``triton-full`` tritonserver over gRPC on 127.0.0.1, full score matrix back;
-* ``triton-top``  the same, returning the top ``--top-k`` items and their scores.
+* ``eager``           in process: the operator's eager forward + top-k, from CPU tensors to
+                      CPU outputs (copies included) -- today's floor;
+* ``captured``        in process: the same replayed from the operator's CUDA-graph buckets
+                      (copy in, replay, copy out), ``merlin_t4r_ops.ops.cuda_graphs``;
+* ``triton``          tritonserver over gRPC on 127.0.0.1, top-k, eager operator (today);
+* ``triton-captured`` the same with the operator's CUDA-graph buckets;
+* ``local``, ``local-captured``  Merlin's in-process runtime (``ensemble.transform``): the
+                      executor's own Python, without Triton and gRPC;
+* ``triton-full``     Triton returning the full ``[batch, items]`` scores (eager);
+* ``compiled``        in process: ``torch.compile(mode="reduce-overhead")`` of the same
+                      forward + top-k, the alternative to our own buckets (compile time and
+                      parity with eager are printed at its first call).
 
 The Triton paths are timed from a pandas DataFrame of sessions to numpy outputs: the
 client's encoding (``dataframe_to_inputs``) and decoding (``as_numpy``) are part of the
-cost. The eager and local paths start from tensors built before the clock starts. Each
-thread of a concurrency level has its own gRPC client. Every cell is bounded by a request
-count and by a time budget, and split into ``--rounds`` that alternate between the paths,
-so that load from elsewhere on the machine falls on all of them alike. The benchmark
-process uses the same number of torch threads as each Triton stub (``stub_threads``), so
-the floor and the served model run alike.
+cost. Each thread of a concurrency level has its own gRPC client. Every cell is bounded by a
+request count and by a time budget, and split into ``--rounds`` that alternate between the
+paths, so that load from elsewhere on the machine falls on all of them alike. The benchmark
+process uses the same number of torch threads as each Triton stub (``stub_threads``).
+
+On CUDA two more tables say where the time goes: per bucket, the GPU time of forward + top-k
+(CUDA events around back-to-back graph replays) against the captured and eager paths in
+process; and per Triton path, the server's own statistics (queue, compute input, infer,
+output) against what the client saw.
 
 Usage::
 
-    python benchmarks/serving.py --output-dir results/          # 50k items, the full grid
+    python benchmarks/serving.py --output-dir results/          # the full grid
     python benchmarks/serving.py --quick --output-dir /tmp/sb   # small smoke run
     python benchmarks/serving.py --device cuda --instances 2    # two Triton GPU instances
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -38,7 +50,12 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests")]  # the tests' factories
 
-PATHS = ("eager", "local", "triton-full", "triton-top")
+PATHS = ("eager", "captured", "triton", "triton-captured",
+         "local", "local-captured", "triton-full", "compiled")
+DEFAULT_PATHS = "eager,captured,triton,triton-captured"
+# Which exported ensemble each Triton or local path uses.
+ENSEMBLE_OF = {"triton": "top", "triton-captured": "top_captured", "triton-full": "full",
+               "local": "top", "local-captured": "top_captured"}
 
 
 def parse_args(argv=None):
@@ -50,8 +67,13 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=20)
     p.add_argument("--items", type=int, default=50_000)
     p.add_argument("--top-k", type=int, default=20)
-    p.add_argument("--batch-sizes", default="1,16,64,256")
-    p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--batch-sizes", default="1,64,256")
+    p.add_argument("--concurrency", default="1")
+    p.add_argument("--paths", default=DEFAULT_PATHS, help=f"comma-separated, of {PATHS}")
+    p.add_argument("--no-bucket-table", dest="bucket_table", action="store_false",
+                   help="skip the per-bucket GPU-time table (CUDA)")
+    p.add_argument("--buckets", default="1,2,4,8,16,32,64,128,256",
+                   help="the operator's CUDA-graph buckets (captured paths)")
     p.add_argument("--requests", type=int, default=200, help="most requests per cell")
     p.add_argument("--seconds", type=float, default=4.0, help="most seconds per cell")
     p.add_argument("--warmup", type=int, default=5, help="untimed requests per thread")
@@ -66,6 +88,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.items, args.requests, args.seconds, args.warmup, args.rounds = 1_000, 32, 1.0, 2, 2
+    args.paths = [p for p in args.paths.split(",") if p]
+    unknown = [p for p in args.paths if p not in PATHS]
+    if unknown:
+        p.error(f"--paths: unknown {unknown}; choose from {PATHS}")
+    args.buckets = tuple(int(b) for b in args.buckets.split(",") if b)
     return args
 
 
@@ -87,14 +114,18 @@ def build_model(args, device):
 
 
 def export_repository(model, args, device, path):
-    """Export the full-score and top-k ensembles; optionally set their instance count."""
+    """Export the ensembles the chosen paths need; optionally set their instance count."""
     from merlin.systems.dag import Ensemble
 
     from merlin_t4r_ops import PredictT4RPyTorch
 
+    settings = {"full": (None, None), "top": (args.top_k, None),
+                "top_captured": (args.top_k, args.buckets)}
+    needed = {ENSEMBLE_OF[p] for p in args.paths if p in ENSEMBLE_OF}
     ensembles = {}
-    for name, top_k in (("full", None), ("top", args.top_k)):
-        op = PredictT4RPyTorch(model, top_k=top_k, device=str(device))
+    for name in sorted(needed):
+        top_k, buckets = settings[name]
+        op = PredictT4RPyTorch(model, top_k=top_k, device=str(device), cuda_graph_buckets=buckets)
         ensembles[name] = Ensemble(model.input_schema.column_names >> op, model.input_schema)
         ensembles[name].export(str(path), name=name)
         if args.instances:
@@ -111,6 +142,9 @@ def set_instance_count(config_path, count):
 
 def measure(calls, per_thread, seconds, warmup):
     """One round of one path: ``len(calls)`` threads, each calling its own callable.
+
+    With one callable the round runs in the calling thread and its wall time is the sum of
+    the request latencies (nothing else runs between them).
 
     Returns
     -------
@@ -131,6 +165,12 @@ def measure(calls, per_thread, seconds, warmup):
             calls[i]()
             latencies[i].append(time.perf_counter() - t0)
 
+    if len(calls) == 1:
+        # Concurrency 1 runs in this thread: torch.compile's CUDA-graph trees are bound to
+        # the thread that compiled them (torch 2.11 asserts in cudagraph_trees otherwise).
+        start = threading.Barrier(1)
+        worker(0)
+        return [1e3 * x for x in latencies[0]], sum(latencies[0]), sizes[0]
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(calls))]
     for thread in threads:
         thread.start()
@@ -164,6 +204,7 @@ def measure_cell(makers, rows, concurrency, args):
     for path, (lat, wall, size) in totals.items():
         cells[path] = {
             "p50_ms": float(np.percentile(lat, 50)),
+            "mean_ms": float(np.mean(lat)),
             "p99_ms": float(np.percentile(lat, 99)),
             "rows_per_s": rows * len(lat) / wall,
             "requests": len(lat),
@@ -172,27 +213,56 @@ def measure_cell(makers, rows, concurrency, args):
     return cells
 
 
-def path_calls(path, df, inputs_dtypes, tensors, ensembles, server, device):
+def in_process_ops(model, args):
+    """The operator eager and with CUDA-graph buckets (captured now, logged), in process."""
+    from merlin_t4r_ops import PredictT4RPyTorch
+
+    eager = PredictT4RPyTorch(model, top_k=args.top_k, cuda_graph_buckets=None)
+    captured = PredictT4RPyTorch(model, top_k=args.top_k, cuda_graph_buckets=args.buckets)
+    captured._capture_graphs()
+    return {"eager": eager, "captured": captured}
+
+
+def path_calls(path, df, inputs_dtypes, cpu_inputs, ops, ensembles, server):
     """A factory of per-thread callables for ``path``; each call returns the response size."""
     import torch
 
     from merlin.table import TensorTable
     from merlin_t4r_ops.serving.client import dataframe_arrays, dataframe_to_inputs
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    model = ensembles["full"].graph.output_node.op.model
+    def nbytes(outputs):
+        return sum(v.element_size() * v.nelement() for v in outputs.values())
+
     if path == "eager":
+        op = ops["eager"]
+        device = op.device
+
         def make():
             def call():
                 with torch.inference_mode():
-                    scores = model(tensors, training=False, testing=False)
-                sync()
-                return scores.element_size() * scores.nelement()
+                    outputs = op._device_outputs({k: v.to(device) for k, v in cpu_inputs.items()})
+                return nbytes({k: v.cpu() for k, v in outputs.items()})
             return call
         return make
-    if path == "local":
+    if path == "captured":
+        graphs = ops["captured"]._graph_runner()
+        op = ops["captured"] if graphs is not None and graphs.bucket_for(len(df)) else ops["eager"]
+
+        def make():
+            def call():  # op.predict's own choice: the bucket, or eager above the largest
+                if op is ops["eager"]:
+                    with torch.inference_mode():
+                        outputs = op._device_outputs(
+                            {k: v.to(op.device) for k, v in cpu_inputs.items()})
+                    return nbytes({k: v.cpu() for k, v in outputs.items()})
+                return nbytes(graphs(cpu_inputs))
+            return call
+        return make
+    if path == "compiled":
+        return compiled_calls(ops, cpu_inputs)
+    if path.startswith("local"):
         table = TensorTable(dataframe_arrays(df, inputs_dtypes))
-        ensemble = ensembles["full"]
+        ensemble = ensembles[ENSEMBLE_OF[path]]
 
         def make():
             def call():
@@ -203,7 +273,7 @@ def path_calls(path, df, inputs_dtypes, tensors, ensembles, server, device):
 
     import tritonclient.grpc as grpcclient
 
-    name = "full" if path == "triton-full" else "top"
+    name = ENSEMBLE_OF[path]
     outputs = ensembles[name].output_schema.column_names
 
     def make():
@@ -219,6 +289,111 @@ def path_calls(path, df, inputs_dtypes, tensors, ensembles, server, device):
     return make
 
 
+def compiled_calls(ops, cpu_inputs):
+    """``torch.compile(mode="reduce-overhead")`` of the operator's forward + top-k."""
+    import torch
+
+    op = ops["eager"]
+    device = op.device
+    if "compiled" not in ops:
+        ops["compiled"] = torch.compile(op._device_outputs, mode="reduce-overhead",
+                                        dynamic=False)
+    compiled = ops["compiled"]
+
+    def run_once():
+        with torch.inference_mode(), torch.device(device):
+            outputs = compiled({k: v.to(device) for k, v in cpu_inputs.items()})
+            return {k: v.cpu() for k, v in outputs.items()}
+
+    t0 = time.perf_counter()
+    got = run_once()
+    with torch.inference_mode():
+        want = op._device_outputs({k: v.to(device) for k, v in cpu_inputs.items()})
+    same = all(torch.allclose(got[k].float(), want[k].cpu().float(), rtol=1e-5, atol=1e-5)
+               for k in ("item_id_scores",) if k in got)
+    print(f"compiled: batch {len(next(iter(cpu_inputs.values())))}, first call (compile) "
+          f"{time.perf_counter() - t0:.1f} s, top-k scores equal eager: {same}", flush=True)
+
+    def make():
+        def call():
+            return sum(v.element_size() * v.nelement() for v in run_once().values())
+        return call
+    return make
+
+
+def gpu_times(op, example_inputs, repeats=50):
+    """Per captured bucket: ms of GPU time per forward + top-k, from back-to-back replays.
+
+    ``example_inputs`` maps bucket -> inputs of exactly that many rows.
+    """
+    import torch
+
+    graphs = op._graph_runner()
+    times = {}
+    for bucket in example_inputs:
+        captured = graphs.captured[bucket]
+        for name, value in example_inputs[bucket].items():
+            captured.inputs[name].copy_(value)
+        captured.graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            captured.graph.replay()
+        end.record()
+        end.synchronize()
+        times[bucket] = start.elapsed_time(end) / repeats
+    return times
+
+
+def bucket_table(ops, rng, args):
+    """Per bucket: GPU time of forward + top-k, captured and eager p50 in process, ratios."""
+    import t4r_factories as factories
+
+    graphs = ops["captured"]._graph_runner()
+    if graphs is None or not graphs.covered:
+        return []
+    rows = []
+    for bucket in graphs.covered:
+        df = factories.random_sessions(bucket, rng, max_len=args.seq_len, items=args.items,
+                                       categories=100)
+        cpu_inputs = factories.reference_inputs(df, args.seq_len)
+        gpu = gpu_times(ops["captured"], {bucket: cpu_inputs})
+        makers = {p: path_calls(p, df, None, cpu_inputs, ops, {}, None)
+                  for p in ("eager", "captured")}
+        cells = measure_cell(makers, bucket, 1, args)
+        rows.append({"bucket": bucket, "gpu_ms": gpu[bucket],
+                     "captured_ms": cells["captured"]["p50_ms"],
+                     "eager_ms": cells["eager"]["p50_ms"]})
+        print(format_bucket_row(rows[-1]), flush=True)
+    return rows
+
+
+def triton_stats(client, name):
+    """Triton's cumulative inference statistics of one model (counts and nanoseconds)."""
+    stats = client.get_inference_statistics(model_name=name, as_json=True)["model_stats"][0]
+    inference = stats.get("inference_stats", {})
+    out = {}
+    for key in ("success", "queue", "compute_input", "compute_infer", "compute_output"):
+        out[key + "_ns"] = int(inference.get(key, {}).get("ns", 0) or 0)
+        out[key + "_n"] = int(inference.get(key, {}).get("count", 0) or 0)
+    return out
+
+
+def stats_row(before, after, path, batch, cell):
+    """Mean ms per request of each server stage between two snapshots, and the client's."""
+    n = max(1, after["success_n"] - before["success_n"])
+
+    def ms(key):
+        return (after[key + "_ns"] - before[key + "_ns"]) / n / 1e6
+
+    server = ms("success")
+    return {"path": path, "batch": batch, "client_p50_ms": cell["p50_ms"],
+            "client_mean_ms": cell["mean_ms"], "server_ms": server,
+            "queue_ms": ms("queue"), "input_ms": ms("compute_input"),
+            "infer_ms": ms("compute_infer"), "output_ms": ms("compute_output"),
+            "outside_ms": cell["mean_ms"] - server}
+
+
 def run(args):
     """Build, export, serve, and measure every (path, batch, concurrency) cell."""
     import torch
@@ -231,34 +406,76 @@ def run(args):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.set_num_threads(args.threads or stub_threads())
     model = build_model(args, device)
+    ops = in_process_ops(model, args)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
     rng = np.random.default_rng(0)
-    rows = []
+    result = {"rows": [], "buckets": [], "stats": [],
+              "graphs": (ops["captured"]._graphs.summary() if ops["captured"]._graphs
+                         else "no CUDA graphs (CPU)")}
+    print(result["graphs"], flush=True)
+    if device.type == "cuda" and "captured" in args.paths and args.bucket_table:
+        print(BUCKET_HEADER, flush=True)
+        result["buckets"] = bucket_table(ops, rng, args)
+    print(HEADER, flush=True)
+    triton_paths = [p for p in args.paths if p.startswith("triton")]
     with tempfile.TemporaryDirectory(prefix="serving-bench-") as repo:
         ensembles = export_repository(model, args, device, repo)
-        with triton_server(repo, timeout=600) as server:
-            dtypes = _input_dtypes(server.client(), "full")
+        serve = triton_server(repo, timeout=600) if ensembles else contextlib.nullcontext()
+        with serve as server:
+            stats_client = server.client() if server else None
+            dtypes = _input_dtypes(stats_client, next(iter(ensembles))) if server else None
             for batch in batches:
                 df = factories.random_sessions(batch, rng, max_len=args.seq_len,
                                                items=args.items, categories=100)
-                tensors = {k: v.to(device) for k, v in
-                           factories.reference_inputs(df, args.seq_len).items()}
-                makers = {path: path_calls(path, df, dtypes, tensors, ensembles, server, device)
-                          for path in PATHS}
+                cpu_inputs = factories.reference_inputs(df, args.seq_len)
+                makers = {path: path_calls(path, df, dtypes, cpu_inputs, ops, ensembles, server)
+                          for path in args.paths}
+                for path in triton_paths:  # cold first requests stay out of the statistics
+                    call = makers[path]()
+                    for _ in range(3):
+                        call()
                 for concurrency in levels:
+                    before = {p: triton_stats(stats_client, ENSEMBLE_OF[p]) for p in triton_paths}
                     cells = measure_cell(makers, batch, concurrency, args)
-                    floor = cells["eager"]["p50_ms"]
+                    floor = cells["eager"]["p50_ms"] if "eager" in cells else float("nan")
                     for path, cell in cells.items():
                         cell.update(path=path, batch=batch, concurrency=concurrency,
                                     vs_floor=cell["p50_ms"] / floor)
-                        rows.append(cell)
+                        result["rows"].append(cell)
                         print(format_row(cell), flush=True)
-    return rows, device
+                    for path in triton_paths:
+                        after = triton_stats(stats_client, ENSEMBLE_OF[path])
+                        result["stats"].append(dict(
+                            stats_row(before[path], after, path, batch, cells[path]),
+                            concurrency=concurrency))
+    return result, device
 
 
 HEADER = ("| path | batch | conc | p50 ms | p99 ms | rows/s | response bytes | p50 / floor |\n"
           "|---|---:|---:|---:|---:|---:|---:|---:|")
+
+
+BUCKET_HEADER = ("| bucket | GPU ms (fwd + top-k) | captured p50 ms | captured / GPU | "
+                 "eager p50 ms | eager / captured |\n|---:|---:|---:|---:|---:|---:|")
+STATS_HEADER = ("| path | batch | conc | client p50 ms | client mean ms | server mean ms | queue "
+                "| compute input | compute infer | compute output | client + gRPC (means) |\n"
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def format_bucket_row(r):
+    """One row of the per-bucket table."""
+    return (f"| {r['bucket']} | {r['gpu_ms']:.3f} | {r['captured_ms']:.3f} | "
+            f"{r['captured_ms'] / r['gpu_ms']:.2f}x | {r['eager_ms']:.3f} | "
+            f"{r['eager_ms'] / r['captured_ms']:.1f}x |")
+
+
+def format_stats_row(r):
+    """One row of the Triton statistics table (mean ms per request)."""
+    return (f"| {r['path']} | {r['batch']} | {r['concurrency']} | {r['client_p50_ms']:.2f} | "
+            f"{r['client_mean_ms']:.2f} | {r['server_ms']:.2f} | {r['queue_ms']:.2f} | "
+            f"{r['input_ms']:.2f} | {r['infer_ms']:.2f} | {r['output_ms']:.2f} | "
+            f"{r['outside_ms']:.2f} |")
 
 
 def format_row(r):
@@ -285,25 +502,32 @@ def machine(device):
 
 
 def main(argv=None):
-    """Run the benchmark; print the table and write it under ``--output-dir``."""
+    """Run the benchmark; print the tables and write them under ``--output-dir``."""
     import torch
 
     args = parse_args(argv)
-    print(HEADER, flush=True)
-    rows, device = run(args)
+    result, device = run(args)
     settings = (f"{args.model}, d_model {args.d_model}, {args.n_layer} layers, sequence "
                 f"length {args.seq_len}, {args.items:,} items, top-{args.top_k}, device "
                 f"{device}, instances {args.instances or 'as exported'}, torch threads "
-                f"{torch.get_num_threads()}, {args.rounds} rounds")
-    table = "\n".join([HEADER] + [format_row(r) for r in rows])
-    print(f"\nMachine: {machine(device)}\nSettings: {settings}\n")
+                f"{torch.get_num_threads()}, {args.rounds} rounds, buckets {list(args.buckets)}")
+    tables = ["\n".join([HEADER] + [format_row(r) for r in result["rows"]])]
+    if result["buckets"]:
+        tables.insert(0, "\n".join([BUCKET_HEADER]
+                                   + [format_bucket_row(r) for r in result["buckets"]]))
+    if result["stats"]:
+        tables.append("\n".join([STATS_HEADER]
+                                 + [format_stats_row(r) for r in result["stats"]]))
+    text = (f"Machine: {machine(device)}\n\nSettings: {settings}\n\n{result['graphs']}\n\n"
+            + "\n\n".join(tables) + "\n")
+    print("\n" + text)
     if args.output_dir:
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "serving.md").write_text(
-            f"Machine: {machine(device)}\n\nSettings: {settings}\n\n{table}\n")
+        (out / "serving.md").write_text(text)
         (out / "serving.json").write_text(json.dumps(
-            {"machine": machine(device), "settings": vars(args), "rows": rows}, indent=2))
+            {"machine": machine(device), "settings": {**vars(args), "buckets": list(args.buckets)},
+             **result}, indent=2))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ from tqdm.auto import tqdm
 from merlin_t4r_ops.errors import StrategyError
 from merlin_t4r_ops.training.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from merlin_t4r_ops.training.data import make_loader, to_device
+from merlin_t4r_ops.training.data_parallel import batch_loss, forward_batch
 from merlin_t4r_ops.training.metrics import MetricAccumulator
 from merlin_t4r_ops.training.state import (
     DistributedState,
@@ -73,12 +74,6 @@ def _state(strategy) -> DistributedState:
     if isinstance(strategy, DistributedState):
         return strategy
     return resolve_strategy(strategy)
-
-
-def _loss(output) -> torch.Tensor:
-    loss = output["loss"]
-    # DataParallel gathers one 0-dim loss per replica into a vector.
-    return loss.mean() if loss.dim() > 0 else loss
 
 
 def _batch_rows(x) -> int:
@@ -127,9 +122,11 @@ def evaluate(
     """
     state = _state(strategy)
     loader = make_loader(eval_data, model, state, batch_size=batch_size, shuffle=False)
-    unwrap_model(model).to(state.device)
-    if state.strategy == "dp" and unwrap_model(model) is model:
-        model = torch.nn.DataParallel(model)
+    model = unwrap_model(model)
+    if state.strategy == "dp":
+        # Re-wrapped even if the caller's was DataParallel: replicas must return loss sums.
+        model = prepare_model(model, state)
+    model.to(state.device)
     return _evaluate(model, loader, state, amp)
 
 
@@ -145,7 +142,7 @@ def _evaluate(model, loader, state: DistributedState, amp: bool) -> dict:
         for x, y in loader:
             x, y = to_device(x, state.device), to_device(y, state.device)
             with _autocast(amp, state):
-                output = runner(x, targets=y, testing=True)
+                output = forward_batch(runner, x, y, testing=True)
             accumulator.update(output)
     inner.train(was_training)
     return accumulator.compute()
@@ -434,7 +431,7 @@ def _train_epoch(
             x, y = to_device(x, state.device), to_device(y, state.device)
             optimizer.zero_grad(set_to_none=True)
             with _autocast(amp, state):
-                loss = _loss(wrapped(x, targets=y, training=True))
+                loss = batch_loss(forward_batch(wrapped, x, y, training=True))
             if scaler is not None:
                 scaler.scale(loss).backward()
                 scaler.unscale_(optimizer)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from merlin_t4r_ops.errors import StrategyError
+from merlin_t4r_ops.training.data_parallel import ReplicaLoss, data_parallel
 
 __all__ = ["DistributedState", "resolve_strategy", "prepare_model", "unwrap_model", "STRATEGIES"]
 
@@ -214,7 +215,7 @@ def _resolve_ddp(env_rank, env_world, env_local, launched, pg_ready, n_gpus, rea
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Return the module inside ``DataParallel``/``DistributedDataParallel`` (any depth).
+    """Return the model inside ``DataParallel``/``DistributedDataParallel``/``ReplicaLoss``.
 
     Parameters
     ----------
@@ -225,8 +226,8 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     torch.nn.Module
         ``model`` itself when it is not wrapped.
     """
-    while isinstance(model, _WRAPPERS):
-        model = model.module
+    while isinstance(model, _WRAPPERS + (ReplicaLoss,)):
+        model = model.model if isinstance(model, ReplicaLoss) else model.module
     return model
 
 
@@ -252,7 +253,8 @@ def prepare_model(
     Returns
     -------
     torch.nn.Module
-        ``model`` (single), ``DataParallel(model)`` (dp) or
+        ``model`` (single), ``DataParallel(ReplicaLoss(model))`` (dp, see
+        :mod:`~merlin_t4r_ops.training.data_parallel`) or
         ``DistributedDataParallel(model)`` (ddp).
 
     Raises
@@ -260,7 +262,7 @@ def prepare_model(
     StrategyError
         ``model`` is already wrapped in DataParallel/DistributedDataParallel.
     """
-    if isinstance(model, _WRAPPERS):
+    if unwrap_model(model) is not model:
         raise StrategyError(
             f"prepare_model expects an unwrapped model, got one already wrapped in "
             f"{type(model).__name__}; pass unwrap_model(model) instead"
@@ -271,7 +273,7 @@ def prepare_model(
         )
     model.to(state.device)
     if state.strategy == "dp":
-        return torch.nn.DataParallel(model)
+        return data_parallel(model)
     if state.strategy == "ddp":
         ids = [state.device.index] if state.device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(

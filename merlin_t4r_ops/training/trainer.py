@@ -6,6 +6,8 @@ through Hugging Face, but
 * gives the Merlin dataloader the *local* rank as its global rank, so two nodes
   read the same shards;
 * evaluates with the unwrapped model, i.e. on one GPU under DataParallel;
+* under DataParallel averages the replicas' mean losses, which is inexact when
+  a batch does not split evenly and NaN when one replica has no target;
 * under DDP gathers losses and labels but not predictions, and does collectives
   per eval batch (a hang or shape error when ranks' batches differ);
 * crops long sessions with ``pad_batch``, which keeps the *oldest* items, where
@@ -17,10 +19,13 @@ through Hugging Face, but
   metrics that rely on torchmetrics' implicit all-gather of every per-example
   row in ``compute()``.
 
-:class:`Trainer` keeps T4R's training path and replaces only the dataloader
-construction, the evaluation loop and the saving/logging guards.
+:class:`Trainer` keeps T4R's training path and its return values; it replaces
+the dataloader construction, the loss under DataParallel
+(:mod:`~merlin_t4r_ops.training.data_parallel`), the evaluation loop and the
+saving/logging guards.
 """
 
+import contextlib
 import logging
 from typing import List, Optional, Tuple
 
@@ -33,11 +38,19 @@ from transformers4rec.config.trainer import T4RecTrainingArguments
 from transformers4rec.torch import Trainer as T4RTrainer
 from transformers4rec.torch.model.prediction_task import NextItemPredictionTask
 from transformers4rec.torch.utils.data_utils import MerlinDataLoader, T4RecDataLoader
+from transformers4rec.torch.utils.torch_utils import nested_detach
 
 from merlin_t4r_ops.errors import StrategyError
 from merlin_t4r_ops.sequence import pad_lists_fn, resolve_sequence_length
 from merlin_t4r_ops.training.data import DP_NEEDS_WIDTH
-from merlin_t4r_ops.training.metrics import MetricAccumulator
+from merlin_t4r_ops.training.data_parallel import (
+    batch_loss,
+    data_parallel,
+    forward_batch,
+    loss_sum_and_count,
+)
+from merlin_t4r_ops.training.metrics import MetricAccumulator, prediction_tasks
+from merlin_t4r_ops.training.predictions import check_top_k, gather_to_main, select_top_k, to_cpu
 from merlin_t4r_ops.training.state import DistributedState, resolve_strategy, unwrap_model
 
 __all__ = ["Trainer", "data_shard"]
@@ -108,8 +121,16 @@ class Trainer(T4RTrainer):
     -----
     Evaluation metrics (every ranking metric configured on the model's tasks,
     and the loss) are means over all evaluated examples of all ranks; every
-    rank returns the same numbers. Predictions are gathered from all ranks in
-    rank order.
+    rank returns the same numbers. ``evaluate()`` reports ``eval_/loss`` with or
+    without ``compute_metrics``, as T4R does.
+
+    ``predict()`` returns T4R's types, order and shapes (see
+    :mod:`~merlin_t4r_ops.training.predictions`). Intended differences: under
+    DDP only rank 0 receives predictions (all ranks' rows, in rank order; the
+    other ranks get ``None``), because every rank holding every rank's rows
+    multiplies memory by the world size, while T4R returns each rank's own
+    rows; and ``evaluation_loop`` returns no predictions or labels for
+    evaluation, which Hugging Face's ``evaluate()`` discards anyway.
     """
 
     def __init__(
@@ -205,7 +226,59 @@ class Trainer(T4RTrainer):
                 "partitions divisible by WORLD_SIZE, or set dataloader_drop_last=True"
             )
 
-    # ---- evaluation -----------------------------------------------------------------------
+    # ---- training and evaluation steps ---------------------------------------------------
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        """Hugging Face's wrapping, except DataParallel replicas return exact loss sums."""
+        if self.dist_state.strategy == "dp":
+            return model if isinstance(model, torch.nn.DataParallel) else data_parallel(
+                unwrap_model(model)
+            )
+        return super()._wrap_model(model, training=training, dataloader=dataloader)
+
+    def compute_loss(self, model, inputs, return_outputs=False):
+        """T4R's ``compute_loss``, with the batch's exact loss under DataParallel."""
+        features, targets = inputs
+        outputs = forward_batch(model, features, targets, training=True)
+        if "loss" not in outputs:
+            raise ValueError(
+                "The model did not return a loss from the inputs, only the following keys: "
+                f"{','.join(outputs.keys())}"
+            )
+        loss = batch_loss(outputs)
+        return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(
+        self,
+        model,
+        inputs,
+        prediction_loss_only: bool,
+        ignore_keys: Optional[List[str]] = None,
+        training: bool = False,
+        testing: bool = True,
+    ):
+        """T4R's ``prediction_step``, with the batch's exact loss under DataParallel.
+
+        Returns
+        -------
+        tuple
+            ``(loss, predictions, labels, loss_statistics)`` like T4R's, except
+            the last item (always ``None`` in T4R): when ``testing``, a dict
+            with the batch's ``loss_sum`` and ``n_targets``, from which
+            evaluation weights batches by their targets.
+        """
+        features, targets = self._prepare_inputs(inputs)
+        autocast = torch.autocast("cuda") if self._use_cuda_amp else contextlib.nullcontext()
+        with torch.no_grad(), autocast:
+            outputs = forward_batch(model, features, targets, training=training, testing=testing)
+        if not testing:
+            return None, (None if prediction_loss_only else nested_detach(outputs)), None, None
+        loss_sum, n_targets = loss_sum_and_count(outputs)
+        stats = {"loss_sum": loss_sum.detach(), "n_targets": n_targets.detach()}
+        loss = batch_loss(outputs).detach()
+        if prediction_loss_only:
+            return loss, None, None, stats
+        return loss, nested_detach(outputs["predictions"]), nested_detach(outputs["labels"]), stats
 
     def evaluation_loop(
         self,
@@ -215,61 +288,60 @@ class Trainer(T4RTrainer):
         ignore_keys: Optional[List[str]] = None,
         metric_key_prefix: str = "eval",
     ) -> EvalLoopOutput:
-        """Evaluate with the DataParallel-wrapped model and exact, all-rank metrics.
+        """Evaluate (exact metrics over all ranks) or predict (top-k, gathered to rank 0).
 
-        Unlike T4R's loop there is no collective per batch: metric sums and
-        counts are reduced once at the end, and predictions/labels are gathered
-        once, so ranks may hold different numbers of eval batches.
+        ``evaluate()`` always reports ``{prefix}_/loss``, the mean over all
+        targets, and with ``compute_metrics`` every metric of the model's
+        tasks, identical on every rank. Its predictions are not kept: Hugging
+        Face's ``evaluate()`` discards them. ``predict()`` returns what T4R's
+        returns (see :mod:`~merlin_t4r_ops.training.predictions`); under DDP
+        rank 0 receives every rank's rows in rank order and the other ranks
+        get ``predictions=None``. There is no collective per batch, so ranks
+        may hold different numbers of batches.
         """
         if prediction_loss_only is None:
             prediction_loss_only = self.args.prediction_loss_only
         testing = description != "Prediction"
         core = unwrap_model(self.model)
-        # _wrap_model gives DataParallel when args.n_gpu > 1 and the bare model otherwise
-        # (no DDP wrapper needed under no_grad).
         model = self._wrap_model(core, training=False, dataloader=dataloader)
         model.eval()
         self.callback_handler.eval_dataloader = dataloader
 
+        with_metrics = testing and bool(self.compute_metrics)
+        keep_predictions = not testing and not prediction_loss_only
+        next_items = [n for n, t in prediction_tasks(core) if isinstance(t, NextItemPredictionTask)]
+        if keep_predictions and next_items:
+            check_top_k(self.args.predict_top_k, core.top_k)
         acc = MetricAccumulator(core, self.dist_state)
-        top_k = self.args.predict_top_k or getattr(core, "top_k", None)
-        next_item = any(isinstance(t, NextItemPredictionTask) for t in core.prediction_tasks)
-        rank_preds = bool(top_k) and next_item
-
-        preds_all, labels_all, n_examples = [], [], 0
+        predictions, n_rows = [], 0
         max_steps = self.args.eval_steps_on_train_set if metric_key_prefix == "train" else 0
         for step, inputs in enumerate(dataloader):
             if max_steps and step >= max_steps:
                 break
-            n_examples += find_batch_size(inputs) or 0
-            loss, preds, labels, _ = self.prediction_step(
-                model, inputs, prediction_loss_only, ignore_keys=ignore_keys, testing=testing
+            n_rows += find_batch_size(inputs) or 0
+            _, preds, labels, stats = self.prediction_step(
+                model, inputs, not (with_metrics or keep_predictions), ignore_keys, testing=testing
             )
-            if testing and preds is not None:
-                acc.update({"loss": loss, "predictions": preds, "labels": labels})
-            if not prediction_loss_only and preds is not None:
-                if rank_preds and isinstance(preds, torch.Tensor):
-                    scores, ids = torch.topk(preds, k=min(top_k, preds.size(-1)), dim=-1)
-                    preds = (ids, scores)
-                preds_all.append(_to_cpu(preds))
-                if labels is not None:
-                    labels_all.append(_to_cpu(labels))
+            if testing:
+                acc.update({**stats, "predictions": preds, "labels": labels})
+            elif keep_predictions:
+                top_k = select_top_k(preds, next_items, self.args.predict_top_k, core.top_k)
+                predictions.append(to_cpu(top_k))
             self.control = self.callback_handler.on_prediction_step(
                 self.args, self.state, self.control
             )
 
         metrics = {}
-        if testing and not prediction_loss_only:
+        if testing:
             exact = acc.compute()  # a collective under DDP: every rank reaches it
-            keep = exact if self.compute_metrics else {"loss": exact["loss"]}
+            keep = exact if with_metrics else {"loss": exact["loss"]}
             metrics = {f"{metric_key_prefix}_/{k}": v for k, v in keep.items()}
-        # Same condition on every rank: the gathers below are collectives.
-        gather = not prediction_loss_only
         return EvalLoopOutput(
-            predictions=self._gather_concat(preds_all) if gather else None,
-            label_ids=self._gather_concat(labels_all) if gather and testing else None,
+            # Same condition on every rank: the gather is a collective.
+            predictions=gather_to_main(predictions, self.dist_state) if keep_predictions else None,
+            label_ids=None,
             metrics=metrics,
-            num_samples=self._global_sum(n_examples),
+            num_samples=self._global_sum(n_rows),
         )
 
     def _global_sum(self, n: int) -> int:
@@ -278,17 +350,6 @@ class Trainer(T4RTrainer):
         total = torch.tensor([n], dtype=torch.float64, device=self.dist_state.device)
         dist.all_reduce(total)
         return int(total.item())
-
-    def _gather_concat(self, pieces):
-        """Concatenate this rank's batches, then all ranks in rank order (as numpy)."""
-        local = _nested_cat(pieces) if pieces else None
-        if self.dist_state.is_distributed:
-            everyone = [None] * self.dist_state.world_size
-            # Objects, not tensors: ranks may hold different numbers of rows.
-            dist.all_gather_object(everyone, local)
-            everyone = [x for x in everyone if x is not None]
-            local = _nested_cat(everyone) if everyone else None
-        return _nested_numpy(local)
 
     # ---- saving / logging -----------------------------------------------------------------
 
@@ -332,30 +393,3 @@ def _align_args(args: T4RecTrainingArguments, state: DistributedState) -> None:
     elif args.n_gpu > 1:
         # Hugging Face wraps in DataParallel whenever n_gpu > 1.
         args._n_gpu = 1
-
-
-def _to_cpu(x):
-    if isinstance(x, dict):
-        return {k: _to_cpu(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_cpu(v) for v in x)
-    return x.detach().cpu()
-
-
-def _nested_cat(pieces):
-    first = pieces[0]
-    if isinstance(first, dict):
-        return {k: _nested_cat([p[k] for p in pieces]) for k in first}
-    if isinstance(first, (list, tuple)):
-        return type(first)(_nested_cat([p[i] for p in pieces]) for i in range(len(first)))
-    return torch.cat(pieces, dim=0)
-
-
-def _nested_numpy(x):
-    if x is None:
-        return None
-    if isinstance(x, dict):
-        return {k: _nested_numpy(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_nested_numpy(v) for v in x)
-    return x.numpy()
