@@ -47,6 +47,10 @@ class DistributedState:
         This process's device.
     reason : str
         One line on why this strategy was chosen.
+    n_devices : int
+        Devices this process computes on: the GPUs ``DataParallel`` splits each
+        batch over under ``"dp"``, else 1. A per-device batch size times this
+        is the batch one process loads.
     """
 
     strategy: str
@@ -55,6 +59,7 @@ class DistributedState:
     world_size: int
     device: torch.device
     reason: str
+    n_devices: int = 1
 
     @property
     def is_main_process(self) -> bool:
@@ -165,7 +170,9 @@ def resolve_strategy(strategy: str = "auto") -> DistributedState:
                 f"found {n_gpus} GPU(s) (torch.cuda.is_available()={torch.cuda.is_available()}); "
                 "use strategy='single' or 'auto'"
             )
-        state = DistributedState("dp", 0, 0, 1, torch.device("cuda:0"), reason + f"; {n_gpus} GPUs")
+        state = DistributedState(
+            "dp", 0, 0, 1, torch.device("cuda:0"), reason + f"; {n_gpus} GPUs", n_devices=n_gpus
+        )
     else:
         state = _resolve_ddp(env_rank, env_world, env_local, launched, pg_ready, n_gpus, reason)
 

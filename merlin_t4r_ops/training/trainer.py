@@ -4,7 +4,9 @@
 through Hugging Face, but
 
 * gives the Merlin dataloader the *local* rank as its global rank, so two nodes
-  read the same shards;
+  read the same shards, and Merlin 23.08's loader never reorders partitions or
+  moves them between ranks, and gives ranks as many rows as their partitions
+  happen to hold;
 * evaluates with the unwrapped model, i.e. on one GPU under DataParallel;
 * under DataParallel averages the replicas' mean losses, which is inexact when
   a batch does not split evenly and NaN when one replica has no target;
@@ -20,14 +22,15 @@ through Hugging Face, but
   row in ``compute()``.
 
 :class:`Trainer` keeps T4R's training path and its return values; it replaces
-the dataloader construction, the loss under DataParallel
-(:mod:`~merlin_t4r_ops.training.data_parallel`), the evaluation loop and the
-saving/logging guards.
+the dataloader construction (the same
+:class:`~merlin_t4r_ops.training.data.ShardedLoader` as ``fit``), the loss under
+DataParallel (:mod:`~merlin_t4r_ops.training.data_parallel`), the evaluation
+loop and the saving/logging guards.
 """
 
 import contextlib
 import logging
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,8 +44,8 @@ from transformers4rec.torch.utils.data_utils import MerlinDataLoader, T4RecDataL
 from transformers4rec.torch.utils.torch_utils import nested_detach
 
 from merlin_t4r_ops.errors import StrategyError
-from merlin_t4r_ops.sequence import pad_lists_fn, resolve_sequence_length
-from merlin_t4r_ops.training.data import DP_NEEDS_WIDTH
+from merlin_t4r_ops.sequence import resolve_sequence_length
+from merlin_t4r_ops.training.data import DP_NEEDS_WIDTH, ShardedLoader, as_dataset, model_columns
 from merlin_t4r_ops.training.data_parallel import (
     batch_loss,
     data_parallel,
@@ -53,44 +56,9 @@ from merlin_t4r_ops.training.metrics import MetricAccumulator, prediction_tasks
 from merlin_t4r_ops.training.predictions import check_top_k, gather_to_main, select_top_k, to_cpu
 from merlin_t4r_ops.training.state import DistributedState, resolve_strategy, unwrap_model
 
-__all__ = ["Trainer", "data_shard"]
+__all__ = ["Trainer"]
 
 logger = logging.getLogger(__name__)
-
-
-def data_shard(state: DistributedState) -> Tuple[Optional[int], Optional[int]]:
-    """The ``(global_rank, global_size)`` the Merlin dataloader must shard by.
-
-    Parameters
-    ----------
-    state : DistributedState
-
-    Returns
-    -------
-    tuple of (int or None, int or None)
-        ``(state.rank, state.world_size)`` under DDP: the *global* rank, so
-        processes on different nodes read different partitions (T4R passes
-        ``LOCAL_RANK`` here). ``(None, None)`` otherwise: one process reads all.
-    """
-    if state.is_distributed:
-        return state.rank, state.world_size
-    return None, None
-
-
-class _SharedEpochSeed:
-    """``seed_fn`` for the Merlin loader: the same seed on every rank, new each epoch.
-
-    The loader shuffles the *partition list* before each rank takes its slice;
-    with a per-rank seed (what it does on GPU by default) the slices overlap.
-    """
-
-    def __init__(self, seed: int):
-        self.seed = int(seed)
-        self.calls = 0
-
-    def __call__(self) -> int:
-        self.calls += 1
-        return (self.seed + self.calls) % (2**32)
 
 
 class Trainer(T4RTrainer):
@@ -151,15 +119,12 @@ class Trainer(T4RTrainer):
 
     # ---- data -----------------------------------------------------------------------------
 
-    def _merlin_loader(self, path, batch_size: int, shuffle: bool):
+    def _merlin_loader(self, path, batch_size: int, train: bool) -> ShardedLoader:
         if self.schema is None:
             raise ValueError("schema is required to build a Merlin dataloader; pass schema=...")
         if path is None:
             raise ValueError("a dataset path (or Merlin Dataset) is required; got None")
-        rank, size = data_shard(self.dist_state)
-        device = self.dist_state.device
-        loader_class = T4RecDataLoader.parse(self.args.data_loader_engine)
-        if not issubclass(loader_class, MerlinDataLoader):
+        if not issubclass(T4RecDataLoader.parse(self.args.data_loader_engine), MerlinDataLoader):
             raise ValueError(
                 f"data_loader_engine={self.args.data_loader_engine!r} crops sessions inside "
                 "T4R's dataset, keeping the oldest items; this Trainer supports 'merlin' only"
@@ -168,63 +133,45 @@ class Trainer(T4RTrainer):
             unwrap_model(self.model), requested=self.args.max_sequence_length,
             required_for=DP_NEEDS_WIDTH if self.dist_state.strategy == "dp" else None,
         )
-        loader = loader_class.from_schema(
-            self.schema,
-            path,
+        inputs, targets = model_columns(self.model)
+        return ShardedLoader(
+            as_dataset(path, self.schema),
+            self.dist_state,
             batch_size,
-            max_sequence_length=None,  # T4R's pad_batch keeps the oldest items; see below
+            inputs,
+            targets,
+            max_sequence_length=width,  # cropped and padded as the operator serves
+            shuffle=train,
+            seed=self.args.seed,
             drop_last=self.args.dataloader_drop_last,
-            shuffle=shuffle,
-            shuffle_buffer_size=self.args.shuffle_buffer_size,
-            global_rank=rank,
-            global_size=size,
-            device=device.index if device.type == "cuda" else None,
-            seed_fn=_SharedEpochSeed(self.args.seed) if shuffle else None,
+            # Every optimizer step is a collective: ranks need equal batch counts.
+            equal_shards=train,
         )
-        if width:
-            # The wrapped Merlin Loader maps each batch: the operator's crop and pad.
-            lists = [c.name for c in loader.dataset.output_schema if c.is_list]
-            loader.dataset.map(pad_lists_fn(width, lists))
-            loader.max_sequence_length = width
-        return loader
 
     def get_train_dataloader(self):
-        """Train loader sharded by global rank; user-given loaders are returned as is."""
+        """Train loader: shuffled and balanced by rows every epoch; user-given loaders as is."""
         if self.train_dataloader is not None:
             return self.train_dataloader
         # train_batch_size is per_device_train_batch_size x GPUs under DataParallel (HF's meaning).
-        loader = self._merlin_loader(
-            self.train_dataset_or_path, self.args.train_batch_size, shuffle=True
-        )
-        self._check_equal_steps(loader)
-        return loader
+        return self._merlin_loader(self.train_dataset_or_path, self.args.train_batch_size, True)
 
     def get_eval_dataloader(self, eval_dataset=None):
-        """Eval loader sharded by global rank (ranks may get different batch counts)."""
+        """Eval loader sharded by global rank, every row once (ranks may differ by a batch)."""
         if self.eval_dataloader is not None:
             return self.eval_dataloader
         path = eval_dataset if isinstance(eval_dataset, (str, list)) else self.eval_dataset_or_path
-        return self._merlin_loader(path, self.args.eval_batch_size, shuffle=False)
+        return self._merlin_loader(path, self.args.eval_batch_size, False)
 
     def get_test_dataloader(self, test_dataset=None):
         """Test loader sharded by global rank."""
         if self.test_dataloader is not None:
             return self.test_dataloader
         path = test_dataset if test_dataset is not None else self.test_dataset_or_path
-        return self._merlin_loader(path, self.args.eval_batch_size, shuffle=False)
+        return self._merlin_loader(path, self.args.eval_batch_size, False)
 
-    def _check_equal_steps(self, loader) -> None:
-        # Every optimizer step is a collective: a rank with more batches would wait forever.
-        if not self.dist_state.is_distributed:
-            return
-        steps = [None] * self.dist_state.world_size
-        dist.all_gather_object(steps, len(loader))
-        if len(set(steps)) > 1:
-            raise StrategyError(
-                f"DDP needs the same number of train batches on every rank, found {steps} "
-                "(per rank); write the training data as a number of equal-sized parquet "
-                "partitions divisible by WORLD_SIZE, or set dataloader_drop_last=True"
-            )
+    def num_examples(self, dataloader) -> int:
+        """Batches times batch size, as T4R estimates it (for Hugging Face's logs)."""
+        return len(dataloader) * dataloader.batch_size
 
     # ---- training and evaluation steps ---------------------------------------------------
 
