@@ -444,7 +444,7 @@ def run(args):
     import t4r_factories as factories
 
     from merlin_t4r_ops.serving import triton_server
-    from merlin_t4r_ops.serving.client import _input_dtypes
+    from merlin_t4r_ops.serving.client import _input_specs, model_metadata
     from merlin_t4r_ops.serving.triton_env import stub_threads
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -468,7 +468,8 @@ def run(args):
         serve = triton_server(repo, timeout=600) if ensembles else contextlib.nullcontext()
         with serve as server:
             stats_client = server.client() if server else None
-            dtypes = _input_dtypes(stats_client, next(iter(ensembles))) if server else None
+            dtypes = (_input_specs(model_metadata(stats_client, next(iter(ensembles))))[0]
+                      if server else None)
             for batch in batches:
                 df = factories.random_sessions(batch, rng, max_len=args.seq_len,
                                                items=args.items, categories=100)
