@@ -54,7 +54,7 @@ def session_workflow(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def model_repository(tmp_path_factory, served_models, session_workflow):
-    """Each model exported as its own ensemble, plus two with a workflow in front."""
+    """Each model exported as its own ensemble, plus three with a workflow in front."""
     from merlin.systems.dag import Ensemble
 
     from merlin_t4r_ops import PredictT4RPyTorch
@@ -73,16 +73,9 @@ def model_repository(tmp_path_factory, served_models, session_workflow):
     factories.seen_and_plain_ensemble(workflow, workflow_model, MASKED_TOP_K).export(
         str(path), name="session_unseen"
     )
-    _export_decoding_ensembles(path, workflow, workflow_model, "")
+    factories.seen_and_plain_ensemble(workflow, workflow_model, MASKED_TOP_K,
+                                      decode=True).export(str(path), name="session_decoded")
     return path
-
-
-def _export_decoding_ensembles(path, workflow, model, suffix: str):
-    """``decode_only<suffix>`` (encoded ids in) and ``session_decoded<suffix>`` (raw sessions
-    in; ``item_ids`` with exclude_seen, ``all_item_ids`` without, both decoded)."""
-    factories.decode_ensemble(workflow, TOP_K).export(str(path), name="decode_only" + suffix)
-    factories.seen_and_plain_ensemble(workflow, model, MASKED_TOP_K, decode=True).export(
-        str(path), name="session_decoded" + suffix)
 
 
 @pytest.fixture(scope="session")
@@ -95,13 +88,16 @@ def string_session_workflow(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def string_client(tmp_path_factory, string_session_workflow):
-    """A second server, for the string-id workflow: Merlin names every exported workflow
-    model ``0_transformworkflowtriton``, so one repository holds one workflow."""
+    """A server of its own for the string-id workflow (Merlin names every exported workflow
+    model ``0_transformworkflowtriton``, so one repository holds one workflow), with
+    ``session_decoded_str`` like ``session_decoded`` and ``decode_only_str``: encoded ids in."""
     from merlin_t4r_ops.serving import triton_server
 
     path = tmp_path_factory.mktemp("string_model_repository")
     workflow, model, _ = string_session_workflow
-    _export_decoding_ensembles(path, workflow, model, "_str")
+    factories.seen_and_plain_ensemble(workflow, model, MASKED_TOP_K, decode=True).export(
+        str(path), name="session_decoded_str")
+    factories.decode_ensemble(workflow, TOP_K).export(str(path), name="decode_only_str")
     with triton_server(path) as server:
         yield server.client()
 
