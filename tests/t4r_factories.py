@@ -134,3 +134,14 @@ def workflow_ensemble(workflow, model, top_k=None):
     pipeline = (workflow.input_schema.column_names >> TransformWorkflow(workflow)
                 >> PredictT4RPyTorch(model, top_k=top_k))
     return Ensemble(pipeline, workflow.input_schema)
+
+
+def load_exported(ensemble_path):
+    """Load an exported ensemble the way Merlin's executor model does in ``initialize``."""
+    from merlin.dag import postorder_iter_nodes
+    from merlin.systems.dag import Ensemble
+
+    ensemble = Ensemble.load(str(ensemble_path))
+    for node in postorder_iter_nodes(ensemble.graph.output_node, flatten_subgraphs=True):
+        node.op.load_artifacts(str(ensemble_path))
+    return ensemble

@@ -1,6 +1,5 @@
 """``PredictT4RPyTorch``: run a Transformers4Rec model in eager PyTorch inside a Merlin graph."""
 
-import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -12,8 +11,10 @@ from merlin.schema import ColumnSchema, Schema, Tags
 from merlin.table import TensorTable
 from merlin_t4r_ops.errors import SchemaMismatchError, T4ROpsError
 from merlin_t4r_ops.ops.artifacts import load_model, save_model
-from merlin_t4r_ops.ops.device import resolve_device
+from merlin_t4r_ops.ops.device import make_current, resolve_device
+from merlin_t4r_ops.ops.export_folders import new_folder_name, replacing_earlier_exports
 from merlin_t4r_ops.ops.inputs import input_specs, to_model_inputs
+from merlin_t4r_ops.ops.skeleton import holds_any
 from merlin_t4r_ops.sequence import resolve_sequence_length
 
 __all__ = ["PredictT4RPyTorch"]
@@ -91,7 +92,7 @@ class PredictT4RPyTorch(BaseOperator):
         )
         self.requested_device = None if device is None else str(device)
         self._specs = input_specs(self._input_schema)
-        self._artifact_dir = f"t4r_model_{uuid.uuid4().hex[:12]}"
+        self._artifact_dir = new_folder_name()
 
     # -- graph contract ------------------------------------------------------------------
     def _default_output_schema(self) -> Schema:
@@ -159,16 +160,23 @@ class PredictT4RPyTorch(BaseOperator):
 
     # -- artifacts: the model never goes into ensemble.pkl ---------------------------------
     def __getstate__(self):
-        state = dict(self.__dict__)
-        state["model"] = None
-        state.pop("_module_cache", None)  # it holds the model too
-        return state
+        # ensemble.pkl holds no model and no tensor: not the weights (the eval cache holds
+        # the model too), and not a request's data that a cache of this op may keep.
+        kept_out = (torch.nn.Module, torch.Tensor, np.ndarray)
+        return {
+            name: None if holds_any(value, kept_out) else value
+            for name, value in self.__dict__.items()
+        }
 
     def save_artifacts(self, artifact_path=None) -> None:
-        """Write the model's weights, structure and checksums under ``artifact_path``."""
+        """Write the model's weights, structure and checksums under ``artifact_path``.
+
+        Replaces the folders an earlier export of this package left there, and nothing else.
+        """
         if artifact_path is None:
             raise T4ROpsError("save_artifacts needs artifact_path, got None")
-        save_model(self.model, Path(artifact_path) / self._artifact_dir)
+        with replacing_earlier_exports(artifact_path, self._artifact_dir) as folder:
+            save_model(self.model, folder)
 
     def load_artifacts(self, artifact_path=None) -> None:
         """Verify and load the model saved by :meth:`save_artifacts`, on the instance's device."""
@@ -178,9 +186,9 @@ class PredictT4RPyTorch(BaseOperator):
             if getattr(self, "model", None) is None:
                 raise T4ROpsError("load_artifacts needs the export's artifact_path, got none")
             return
-        self.model = load_model(
-            Path(artifact_path) / self._artifact_dir, resolve_device(self.requested_device)
-        )
+        device = resolve_device(self.requested_device)
+        make_current(device)  # before anything touches CUDA, or GPU 0 gets a context too
+        self.model = load_model(Path(artifact_path) / self._artifact_dir, device)
 
     # -- inference -----------------------------------------------------------------------
     @property
