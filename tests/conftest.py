@@ -32,6 +32,10 @@ SERVED = {
     "binary": lambda: factories.binary_model(seed=4),
 }
 TOP_K = 10
+# Exported with BatchingTritonRuntime: the model of next_item_full, and the workflow ensemble.
+BATCHED_MODEL, BATCHED_WORKFLOW = "next_item_batched", "session_topk_batched"
+# Long enough that concurrent test clients land in one execute call on a loaded CI machine.
+BATCH_DELAY_US = 5000
 
 
 @pytest.fixture(scope="session")
@@ -49,10 +53,15 @@ def session_workflow(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def model_repository(tmp_path_factory, served_models, session_workflow):
-    """Each model exported as its own ensemble, plus one with a workflow in front."""
+    """Each model exported as its own ensemble, plus one with a workflow in front.
+
+    The model of ``next_item_full`` and the workflow ensemble are exported a second time
+    with :class:`BatchingTritonRuntime` (``BATCHED_MODEL``, ``BATCHED_WORKFLOW``).
+    """
     from merlin.systems.dag import Ensemble
 
     from merlin_t4r_ops import PredictT4RPyTorch
+    from merlin_t4r_ops.runtime import BatchingTritonRuntime
 
     path = tmp_path_factory.mktemp("model_repository")
     for name, model in served_models.items():
@@ -63,6 +72,13 @@ def model_repository(tmp_path_factory, served_models, session_workflow):
     workflow, workflow_model, _ = session_workflow
     factories.workflow_ensemble(workflow, workflow_model, top_k=TOP_K).export(
         str(path), name="session_topk"
+    )
+    batching = BatchingTritonRuntime(max_queue_delay_us=BATCH_DELAY_US)
+    model = served_models["next_item_full"]
+    Ensemble(model.input_schema.column_names >> PredictT4RPyTorch(model),
+             model.input_schema).export(str(path), name=BATCHED_MODEL, runtime=batching)
+    factories.workflow_ensemble(workflow, workflow_model, top_k=TOP_K).export(
+        str(path), name=BATCHED_WORKFLOW, runtime=batching
     )
     return path
 

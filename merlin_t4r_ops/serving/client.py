@@ -4,6 +4,10 @@ Merlin's ``convert_df_to_triton_input`` refuses CPU list columns ("this function
 support CPU list values yet"), so on the CPU there is no way to send sessions with it. Here a
 list column becomes the ``<name>__values`` and ``<name>__offsets`` inputs that the exported
 executor model declares, with the dtypes the server's own model metadata asks for.
+
+A model exported with :class:`merlin_t4r_ops.runtime.BatchingTritonRuntime` has a batch
+dimension (``max_batch_size > 0``): each request is one batch entry, so every array is sent
+with a leading dimension of 1 and every output comes back with one, which is dropped.
 """
 
 from typing import Dict, List, Optional, Sequence
@@ -14,7 +18,8 @@ from tritonclient.utils import triton_to_np_dtype
 
 from merlin_t4r_ops.errors import InvalidRequestError
 
-__all__ = ["arrays_to_inputs", "dataframe_arrays", "dataframe_to_inputs", "response_to_dataframe", "infer_dataframe"]
+__all__ = ["arrays_to_inputs", "dataframe_arrays", "dataframe_to_inputs", "response_to_dataframe",
+           "infer_dataframe", "has_batch_dimension"]
 
 EXECUTOR_MODEL = "executor_model"
 _VALUES, _OFFSETS = "__values", "__offsets"
@@ -23,6 +28,12 @@ _VALUES, _OFFSETS = "__values", "__offsets"
 def _input_dtypes(client, model_name: str) -> Dict[str, np.dtype]:
     metadata = client.get_model_metadata(model_name, as_json=True)
     return {spec["name"]: triton_to_np_dtype(spec["datatype"]) for spec in metadata["inputs"]}
+
+
+def has_batch_dimension(client, model_name: str) -> bool:
+    """Whether ``model_name`` takes each request as one batch entry (``max_batch_size > 0``)."""
+    config = client.get_model_config(model_name, as_json=True)["config"]
+    return int(config.get("max_batch_size", 0)) > 0
 
 
 def _ragged(series: pd.Series, values_dtype, offsets_dtype):
@@ -68,8 +79,13 @@ def dataframe_arrays(df: pd.DataFrame, dtypes: Dict[str, np.dtype]) -> Dict[str,
     return arrays
 
 
-def arrays_to_inputs(arrays: Dict[str, np.ndarray], protocol: str = "grpc"):
-    """``tritonclient`` ``InferInput`` objects for named numpy arrays, sent as they are."""
+def arrays_to_inputs(arrays: Dict[str, np.ndarray], protocol: str = "grpc", *,
+                     batch_dimension: bool = False):
+    """``tritonclient`` ``InferInput`` objects for named numpy arrays.
+
+    With ``batch_dimension``, each array gets the leading dimension of 1 that a model with
+    a batch dimension takes a request as; otherwise the arrays are sent as they are.
+    """
     if protocol == "grpc":
         import tritonclient.grpc as triton
     else:
@@ -78,26 +94,38 @@ def arrays_to_inputs(arrays: Dict[str, np.ndarray], protocol: str = "grpc"):
 
     inputs = []
     for name, array in arrays.items():
+        if batch_dimension:
+            array = array[None]
         infer_input = triton.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
         infer_input.set_data_from_numpy(array)
         inputs.append(infer_input)
     return inputs
 
 
-def dataframe_to_inputs(df: pd.DataFrame, dtypes: Dict[str, np.dtype], protocol: str = "grpc"):
+def dataframe_to_inputs(df: pd.DataFrame, dtypes: Dict[str, np.dtype], protocol: str = "grpc",
+                        *, batch_dimension: bool = False):
     """``tritonclient`` ``InferInput`` objects for the rows of ``df``."""
-    return arrays_to_inputs(dataframe_arrays(df, dtypes), protocol)
+    return arrays_to_inputs(dataframe_arrays(df, dtypes), protocol,
+                            batch_dimension=batch_dimension)
 
 
-def response_to_dataframe(response, output_names: Sequence[str]) -> pd.DataFrame:
-    """A DataFrame of the outputs: 2-D outputs and ragged pairs become list columns."""
+def response_to_dataframe(response, output_names: Sequence[str], *,
+                          batch_dimension: bool = False) -> pd.DataFrame:
+    """A DataFrame of the outputs: 2-D outputs and ragged pairs become list columns.
+
+    With ``batch_dimension``, the leading dimension of 1 of every output is dropped first.
+    """
+    def output(name):
+        array = response.as_numpy(name)
+        return array[0] if batch_dimension else array
+
     columns = {}
     for name in output_names:
         if name.endswith(_OFFSETS):
             continue
-        array = response.as_numpy(name)
+        array = output(name)
         if name.endswith(_VALUES):
-            offsets = response.as_numpy(name[: -len(_VALUES)] + _OFFSETS)
+            offsets = output(name[: -len(_VALUES)] + _OFFSETS)
             columns[name[: -len(_VALUES)]] = np.split(array, offsets[1:-1])
         elif array.ndim > 1 and array.shape[1] > 1:
             columns[name] = list(array)
@@ -113,6 +141,7 @@ def infer_dataframe(
     model_name: str = EXECUTOR_MODEL,
     output_names: Optional[List[str]] = None,
     dtypes: Optional[Dict[str, np.dtype]] = None,
+    batch_dimension: Optional[bool] = None,
 ) -> pd.DataFrame:
     """Send ``df`` to ``model_name`` through a ``tritonclient.grpc`` client; return the outputs.
 
@@ -127,6 +156,10 @@ def infer_dataframe(
         Outputs to ask for; all of the model's outputs by default.
     dtypes : dict, optional
         Input name to numpy dtype; read from the server's model metadata when omitted.
+    batch_dimension : bool, optional
+        Whether the model takes each request as one batch entry (exported with
+        :class:`merlin_t4r_ops.runtime.BatchingTritonRuntime`); read from the server's model
+        config when omitted.
     """
     import tritonclient.grpc as grpcclient
 
@@ -134,9 +167,11 @@ def infer_dataframe(
     if output_names is None:
         metadata = client.get_model_metadata(model_name, as_json=True)
         output_names = [spec["name"] for spec in metadata["outputs"]]
+    if batch_dimension is None:
+        batch_dimension = has_batch_dimension(client, model_name)
     response = client.infer(
         model_name,
-        dataframe_to_inputs(df, dtypes),
+        dataframe_to_inputs(df, dtypes, batch_dimension=batch_dimension),
         outputs=[grpcclient.InferRequestedOutput(name) for name in output_names],
     )
-    return response_to_dataframe(response, output_names)
+    return response_to_dataframe(response, output_names, batch_dimension=batch_dimension)
