@@ -87,7 +87,8 @@ def model_repository(tmp_path_factory, served_models, session_workflow):
 def triton(model_repository):
     from merlin_t4r_ops.serving import triton_server
 
-    with triton_server(model_repository) as server:
+    # Seven models load at once; a CI machine shared with other jobs needs more than 180 s.
+    with triton_server(model_repository, timeout=600) as server:
         yield server
 
 
