@@ -32,6 +32,7 @@ SERVED = {
     "binary": lambda: factories.binary_model(seed=4),
 }
 TOP_K = 10
+MASKED_TOP_K = 100  # wide enough that an untrained model ranks reserved ids inside it
 # Exported with BatchingTritonRuntime: the model of next_item_full, and the workflow ensemble.
 BATCHED_MODEL, BATCHED_WORKFLOW = "next_item_batched", "session_topk_batched"
 # Long enough that concurrent test clients land in one execute call on a loaded CI machine.
@@ -53,10 +54,10 @@ def session_workflow(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def model_repository(tmp_path_factory, served_models, session_workflow):
-    """Each model exported as its own ensemble, plus one with a workflow in front.
+    """Each model exported as its own ensemble, plus two with a workflow in front.
 
-    The model of ``next_item_full`` and the workflow ensemble are exported a second time
-    with :class:`BatchingTritonRuntime` (``BATCHED_MODEL``, ``BATCHED_WORKFLOW``).
+    The model of ``next_item_full`` and the top-k workflow ensemble are exported a second
+    time with :class:`BatchingTritonRuntime` (``BATCHED_MODEL``, ``BATCHED_WORKFLOW``).
     """
     from merlin.systems.dag import Ensemble
 
@@ -73,6 +74,9 @@ def model_repository(tmp_path_factory, served_models, session_workflow):
     factories.workflow_ensemble(workflow, workflow_model, top_k=TOP_K).export(
         str(path), name="session_topk"
     )
+    factories.seen_and_plain_ensemble(workflow, workflow_model, MASKED_TOP_K).export(
+        str(path), name="session_unseen"
+    )
     batching = BatchingTritonRuntime(max_queue_delay_us=BATCH_DELAY_US)
     model = served_models["next_item_full"]
     Ensemble(model.input_schema.column_names >> PredictT4RPyTorch(model),
@@ -87,7 +91,7 @@ def model_repository(tmp_path_factory, served_models, session_workflow):
 def triton(model_repository):
     from merlin_t4r_ops.serving import triton_server
 
-    # Seven models load at once; a CI machine shared with other jobs needs more than 180 s.
+    # Eight models load at once; a CI machine shared with other jobs needs more than 180 s.
     with triton_server(model_repository, timeout=600) as server:
         yield server
 

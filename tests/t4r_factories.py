@@ -136,6 +136,39 @@ def workflow_ensemble(workflow, model, top_k=None):
     return Ensemble(pipeline, workflow.input_schema)
 
 
+def seen_and_plain_ensemble(workflow, model, top_k):
+    """Raw sessions >> the workflow >> two top-k's of ``model``, side by side.
+
+    ``item_ids``/``item_id_scores`` leave out the session's own items (``exclude_seen``);
+    ``all_item_ids``/``all_item_id_scores`` leave out only the reserved ids.
+    """
+    from merlin.systems.dag import Ensemble
+    from merlin.systems.dag.ops.workflow import TransformWorkflow
+
+    from merlin_t4r_ops import PredictT4RPyTorch
+
+    encoded = workflow.input_schema.column_names >> TransformWorkflow(workflow)
+    unseen = encoded >> PredictT4RPyTorch(model, top_k=top_k, exclude_seen=True)
+    everything = encoded >> PredictT4RPyTorch(model, top_k=top_k, output_prefix="all_")
+    return Ensemble(unseen + everything, workflow.input_schema)
+
+
+def reference_top_k(scores, k: int, reserved=(0,), sessions=None):
+    """Top-k built the slow, obvious way: reserved ids and (with ``sessions``) every item
+    of each row's whole session set to -inf, one by one, then ``torch.topk``.
+
+    Returns ``(ids, scores)`` as numpy arrays.
+    """
+    scores = torch.as_tensor(np.array(scores, dtype=np.float32)).clone()
+    for row in range(scores.shape[0]):
+        for item in reserved:
+            scores[row, item] = float("-inf")
+        for item in ([] if sessions is None else sessions[row]):
+            scores[row, int(item)] = float("-inf")
+    top = torch.topk(scores, k)
+    return top.indices.numpy(), top.values.numpy()
+
+
 def load_exported(ensemble_path):
     """Load an exported ensemble the way Merlin's executor model does in ``initialize``."""
     from merlin.dag import postorder_iter_nodes

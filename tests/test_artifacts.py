@@ -266,3 +266,10 @@ def test_a_fifo_in_place_of_an_artifact_is_refused_without_hanging(saved):
     os.mkfifo(path / "weights.pt")
     with pytest.raises(ArtifactError, match=r"weights.pt is not a regular file"):
         load_model(path, torch.device("cpu"))
+
+
+def test_written_artifacts_are_readable_by_a_server_running_as_another_user(tmp_path):
+    # mkstemp's 0600 would leave a Triton that runs as another user unable to load them.
+    write_checked(tmp_path, {"a.bin": b"x"})
+    for path in tmp_path.iterdir():
+        assert path.stat().st_mode & 0o044 == 0o044, f"{path.name} is {oct(path.stat().st_mode)}"

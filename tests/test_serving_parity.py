@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 
 import t4r_factories as factories
 from conftest import TOP_K
@@ -29,13 +28,14 @@ def test_next_item_full_scores_match_eager(client, served_models, name, rows):
 def test_top_k_matches_eager_top_k(client, served_models):
     df = _sessions(64, seed=3)
     served = infer_dataframe(client, df, model_name="next_item_topk")
-    expected = torch.topk(torch.from_numpy(
-        factories.eager_scores(served_models["next_item_topk"], df)), TOP_K)
+    # Without Categorify, the padding id 0 is the one reserved id.
+    expected_ids, expected_scores = factories.reference_top_k(
+        factories.eager_scores(served_models["next_item_topk"], df), TOP_K, reserved=(0,))
     ids = np.stack(served["item_ids"].to_list())
     scores = np.stack(served["item_id_scores"].to_list())
     assert ids.shape == scores.shape == (64, TOP_K)
-    np.testing.assert_allclose(scores, expected.values.numpy(), rtol=RTOL, atol=ATOL)
-    np.testing.assert_array_equal(ids, expected.indices.numpy())
+    np.testing.assert_allclose(scores, expected_scores, rtol=RTOL, atol=ATOL)
+    np.testing.assert_array_equal(ids, expected_ids)
 
 
 def test_top_k_is_declared_in_the_served_config(client):
@@ -72,10 +72,11 @@ def test_workflow_in_front_turns_raw_ids_into_recommendations(client, session_wo
     df = raw.head(40).reset_index(drop=True)
     served = infer_dataframe(client, df, model_name="session_topk")
     encoded = workflow.transform(factories_dataset(df)).to_ddf().compute()
-    expected = torch.topk(torch.from_numpy(factories.eager_scores(model, encoded)), TOP_K)
-    np.testing.assert_array_equal(np.stack(served["item_ids"]), expected.indices.numpy())
-    np.testing.assert_allclose(np.stack(served["item_id_scores"]), expected.values.numpy(),
-                               rtol=RTOL, atol=ATOL)
+    # Categorify reserves 0 (padding), 1 (null) and 2 (out of vocabulary).
+    ids, scores = factories.reference_top_k(factories.eager_scores(model, encoded), TOP_K,
+                                            reserved=(0, 1, 2))
+    np.testing.assert_array_equal(np.stack(served["item_ids"]), ids)
+    np.testing.assert_allclose(np.stack(served["item_id_scores"]), scores, rtol=RTOL, atol=ATOL)
 
 
 def test_local_runtime_agrees_with_triton(client, session_workflow):

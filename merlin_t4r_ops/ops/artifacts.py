@@ -68,6 +68,9 @@ def _check_name(name, where: str) -> str:
 def _atomic_write(path: Path, data: bytes) -> None:
     handle, staging = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        # mkstemp creates 0600; Triton may run as another user than the exporter, and
+        # Merlin's own files (config.pbtxt, ensemble.pkl) are world-readable too.
+        os.fchmod(handle, 0o644)
         with os.fdopen(handle, "wb") as stream:
             stream.write(data)
         os.replace(staging, path)

@@ -1,5 +1,7 @@
 """``PredictT4RPyTorch``: run a Transformers4Rec model in eager PyTorch inside a Merlin graph."""
 
+import copy
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -11,9 +13,13 @@ from merlin.schema import ColumnSchema, Schema, Tags
 from merlin.table import TensorTable
 from merlin_t4r_ops.errors import SchemaMismatchError, T4ROpsError
 from merlin_t4r_ops.ops.artifacts import load_model, save_model
+from merlin_t4r_ops.ops.collisions import calling_node, refuse_colliding_outputs
 from merlin_t4r_ops.ops.device import make_current, resolve_device
 from merlin_t4r_ops.ops.export_folders import new_folder_name, replacing_earlier_exports
 from merlin_t4r_ops.ops.inputs import input_specs, to_model_inputs
+from merlin_t4r_ops.ops.masking import (
+    mask_scores, reserved_item_ids, seen_items, top_k_unmasked,
+)
 from merlin_t4r_ops.ops.skeleton import holds_any
 from merlin_t4r_ops.sequence import resolve_sequence_length
 
@@ -31,6 +37,28 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _without_top_k(model: torch.nn.Module) -> torch.nn.Module:
+    """The model as the operator runs it: returning the full score matrix.
+
+    With T4R's ``model.top_k`` set, ``model(batch)`` returns ``(scores, ids)`` of its own
+    top-k, too late to mask anything. A shallow copy with ``top_k=None`` shares every
+    module and weight, and leaves the caller's model as it was.
+    """
+    if not getattr(model, "top_k", None):
+        return model
+    serving = copy.copy(model)
+    serving.top_k = None
+    return serving
+
+
+def _next_item_task(model: torch.nn.Module):
+    from transformers4rec.torch.model.prediction_task import NextItemPredictionTask
+
+    tasks = [task for task in getattr(model, "prediction_tasks", [])
+             if isinstance(task, NextItemPredictionTask)]
+    return tasks[0] if tasks else None
+
+
 class PredictT4RPyTorch(BaseOperator):
     """Run a trained Transformers4Rec model in eager PyTorch, no TorchScript needed.
 
@@ -43,11 +71,26 @@ class PredictT4RPyTorch(BaseOperator):
         Columns the model reads; default ``model.input_schema``.
     output_schema : merlin.schema.Schema, optional
         Columns the operator returns; default derived from ``model.output_schema`` and
-        ``top_k``.
+        ``top_k``. With ``top_k``, T4R's own top-k schema (``item_id_scores`` and
+        ``item_ids``, as ``model.output_schema`` gives it with ``model.top_k`` set) is
+        recognised: its ``item_ids`` dtype is kept, and ``top_k`` columns are declared.
     top_k : int, optional
         For next-item prediction: return the ``top_k`` best items as ``item_ids`` (int32,
         the encoded ids the model scores) and ``item_id_scores`` (float32), each
-        ``[batch, top_k]``, instead of the full score matrix.
+        ``[batch, top_k]``, instead of the full score matrix. Default ``model.top_k``
+        (T4R's way to ask for a top-k at inference); a value given here takes precedence
+        over it. Ids that stand for no item never appear: the padding id, and for an
+        item-id column made by NVTabular's ``Categorify`` its null and out-of-vocabulary
+        ids, as its schema says. A ``top_k`` larger than the ids left is refused here.
+    exclude_seen : bool, default False
+        With ``top_k``: also leave out of each row's top-k every item of that row's
+        session as the request sent it, including the older items that cropping to the
+        model's width drops. A row with fewer than ``top_k`` items left ends with id
+        ``-1`` (no item has it) scored ``-inf``.
+    output_prefix : str, default ""
+        Prepended to every output column name (``"cart_"`` gives ``cart_item_ids``), so
+        that several models can answer in one ensemble. A graph where two operators'
+        outputs meet under one name is refused when it is built.
     max_sequence_length : int, optional
         Width the session lists are padded or cropped to (most recent items kept); default
         the model's own, found as training finds it
@@ -56,11 +99,17 @@ class PredictT4RPyTorch(BaseOperator):
         Where the model runs. Default: the device of the Triton model instance (a GPU
         instance gets its own GPU), else the CPU.
 
+    Notes
+    -----
+    Calls are safe from several threads (``Ensemble.transform`` behind a threaded web
+    server): T4R keeps per-call tensors on its modules, so the forward pass, the masking
+    and the top-k of one call run under the operator's lock, one call at a time.
+
     Examples
     --------
     >>> pipeline = (workflow.input_schema.column_names
     ...             >> TransformWorkflow(workflow)
-    ...             >> PredictT4RPyTorch(model, top_k=20))
+    ...             >> PredictT4RPyTorch(model, top_k=20, exclude_seen=True))
     >>> Ensemble(pipeline, workflow.input_schema).export("model_repository")
     """
 
@@ -71,21 +120,29 @@ class PredictT4RPyTorch(BaseOperator):
         output_schema: Optional[Schema] = None,
         *,
         top_k: Optional[int] = None,
+        exclude_seen: bool = False,
+        output_prefix: str = "",
         max_sequence_length: Optional[int] = None,
         device=None,
     ):
         super().__init__()
+        model = _unwrap(model)
+        top_k = top_k if top_k is not None else getattr(model, "top_k", None)
         if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
             raise T4ROpsError(f"top_k must be a positive int or None, got {top_k!r}")
-        self.model = _unwrap(model)
+        if not isinstance(output_prefix, str):
+            raise T4ROpsError(f"output_prefix must be a str, got {output_prefix!r}")
+        self.model = _without_top_k(model)
         # Copies, so that building the op never changes the caller's schemas.
         self._input_schema = Schema(list(
             (input_schema if input_schema is not None else self.model.input_schema)
         ))
         self.top_k = top_k
-        self._output_schema = Schema(list(
-            output_schema if output_schema is not None else self._default_output_schema()
-        ))
+        self.exclude_seen = bool(exclude_seen)
+        self.output_prefix = output_prefix
+        self._task_names = list(self.model.output_schema.column_names)
+        self.reserved_item_ids = self._reserved_item_ids()
+        self._output_schema = self._derive_output_schema(output_schema)
         self.max_sequence_length = resolve_sequence_length(
             self.model, self._input_schema, requested=max_sequence_length,
             required_for="the operator pads every request to one width",
@@ -93,35 +150,81 @@ class PredictT4RPyTorch(BaseOperator):
         self.requested_device = None if device is None else str(device)
         self._specs = input_specs(self._input_schema)
         self._artifact_dir = new_folder_name()
+        self._lock = threading.Lock()
 
     # -- graph contract ------------------------------------------------------------------
-    def _default_output_schema(self) -> Schema:
+    def _is_next_item(self) -> bool:
         task_columns = list(self.model.output_schema)
-        is_next_item = not any(
-            col.name in (TOP_K_IDS, TOP_K_SCORES) for col in task_columns
-        ) and self._item_id_column() is not None and len(task_columns) == 1 and (
+        return self._item_id_column() is not None and len(task_columns) == 1 and (
             task_columns[0].shape.dims is not None
             and len(task_columns[0].shape.dims) == 2
             and task_columns[0].shape.dims[1].max not in (None, 1)
         )
-        if self.top_k is None or not is_next_item:
-            if self.top_k is not None:
-                raise T4ROpsError(
-                    "top_k applies to next-item prediction only; this model's outputs are "
-                    f"{[c.name for c in task_columns]}"
-                )
-            return Schema([
+
+    def _catalogue(self) -> int:
+        """How many item ids the next-item head scores (its score matrix's width)."""
+        return int(self.model.output_schema.first.shape.dims[1].max)
+
+    def _reserved_item_ids(self) -> tuple:
+        item_column = self._item_id_column()
+        task = _next_item_task(self.model)
+        if item_column is None or task is None:
+            return ()
+        return reserved_item_ids(
+            self._input_schema[item_column], getattr(task, "padding_idx", 0)
+        )
+
+    def _derive_output_schema(self, given: Optional[Schema]) -> Schema:
+        prefix = self.output_prefix
+        if self.top_k is None:
+            if self.exclude_seen:
+                raise T4ROpsError("exclude_seen=True needs top_k: it removes items from a top-k")
+            columns = list(given) if given is not None else [
                 ColumnSchema(col.name, dtype=np.float32, dims=self._score_dims(col))
-                for col in task_columns
-            ])
-        # int32 ids halve the id bytes of every response; any embedding table fits int32.
-        catalogue = int(task_columns[0].shape.dims[1].max)
-        id_dtype = np.int32 if catalogue < 2**31 else self._input_schema[
-            self._item_id_column()].dtype
+                for col in self.model.output_schema
+            ]
+            unknown = [col.name for col in columns if col.name not in self._task_names]
+            if unknown:
+                raise T4ROpsError(
+                    f"output_schema names {unknown}, which the model does not output; its "
+                    f"outputs are {self._task_names}"
+                )
+            self._task_names = [col.name for col in columns]  # the order declared
+            return Schema([col.with_name(prefix + col.name) for col in columns])
+        if not self._is_next_item():
+            raise T4ROpsError(
+                "top_k applies to next-item prediction only; this model's outputs are "
+                f"{self._task_names}"
+            )
+        self._check_top_k_fits()
+        id_dtype = self._top_k_id_dtype(given)
         return Schema([
-            ColumnSchema(TOP_K_IDS, dtype=id_dtype, dims=(None, self.top_k)),
-            ColumnSchema(TOP_K_SCORES, dtype=np.float32, dims=(None, self.top_k)),
+            ColumnSchema(prefix + TOP_K_IDS, dtype=id_dtype, dims=(None, self.top_k)),
+            ColumnSchema(prefix + TOP_K_SCORES, dtype=np.float32, dims=(None, self.top_k)),
         ])
+
+    def _check_top_k_fits(self) -> None:
+        catalogue = self._catalogue()
+        reserved = [i for i in self.reserved_item_ids if 0 <= i < catalogue]
+        if self.top_k > catalogue - len(reserved):
+            raise T4ROpsError(
+                f"top_k={self.top_k} is more than the model can recommend: it scores "
+                f"{catalogue} item ids, and {len(reserved)} of them are reserved {reserved}, "
+                f"which leaves {catalogue - len(reserved)}"
+            )
+
+    def _top_k_id_dtype(self, given: Optional[Schema]):
+        if given is not None:
+            if TOP_K_IDS not in given.column_names:
+                raise T4ROpsError(
+                    f"with top_k, output_schema must be T4R's top-k schema ({TOP_K_IDS!r} "
+                    f"and {TOP_K_SCORES!r}), got {given.column_names}"
+                )
+            return given[TOP_K_IDS].dtype.without_shape
+        # int32 ids halve the id bytes of every response; any embedding table fits int32.
+        if self._catalogue() < 2**31:
+            return np.int32
+        return self._input_schema[self._item_id_column()].dtype.without_shape
 
     @staticmethod
     def _score_dims(column: ColumnSchema):
@@ -158,6 +261,14 @@ class PredictT4RPyTorch(BaseOperator):
         """The score columns (or ``item_ids``/``item_id_scores`` with ``top_k``)."""
         return self._output_schema
 
+    def validate_schemas(
+        self, parents_schema, deps_schema, input_schema, output_schema, strict_dtypes=False
+    ):
+        """Refuse a graph in which this operator's outputs meet same-named columns."""
+        node = calling_node(self)
+        if node is not None:
+            refuse_colliding_outputs(node, self._output_schema.column_names)
+
     # -- artifacts: the model never goes into ensemble.pkl ---------------------------------
     def __getstate__(self):
         # ensemble.pkl holds no model and no tensor: not the weights (the eval cache holds
@@ -166,7 +277,12 @@ class PredictT4RPyTorch(BaseOperator):
         return {
             name: None if holds_any(value, kept_out) else value
             for name, value in self.__dict__.items()
+            if name != "_lock"  # locks do not pickle; each copy gets its own
         }
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def save_artifacts(self, artifact_path=None) -> None:
         """Write the model's weights, structure and checksums under ``artifact_path``.
@@ -213,21 +329,20 @@ class PredictT4RPyTorch(BaseOperator):
 
     def predict(self, table: TensorTable) -> dict:
         """Scores for the sessions in ``table`` as numpy arrays, keyed by output column."""
-        inputs = to_model_inputs(table, self._specs, self.max_sequence_length, self.device)
-        self._ensure_eval()
-        with torch.inference_mode():
+        device = self.device
+        inputs = to_model_inputs(table, self._specs, self.max_sequence_length, device)
+        seen = seen_items(table, self._item_id_column(), device) if self.exclude_seen else None
+        # T4R keeps per-call tensors on its modules (the item sequence, the masking
+        # schema): a second thread inside forward() would score with the first's.
+        with self._lock, torch.inference_mode():
+            self._ensure_eval()
             scores = self.model(inputs, training=False, testing=False)
-        if isinstance(scores, dict):
-            scores = [scores[name] for name in self._output_schema.column_names]
-        else:
-            scores = [scores]
-        if self.top_k is not None:
-            top = torch.topk(scores[0].float(), k=min(self.top_k, scores[0].shape[-1]), dim=-1)
-            id_dtype = self._output_schema[TOP_K_IDS].dtype.to_numpy
-            return {
-                TOP_K_IDS: top.indices.cpu().numpy().astype(id_dtype, copy=False),
-                TOP_K_SCORES: top.values.cpu().numpy(),
-            }
+            if isinstance(scores, dict):
+                scores = [scores[name] for name in self._task_names]
+            else:
+                scores = [scores]
+            if self.top_k is not None:
+                return self._top_k_outputs(scores[0], seen)
         outputs = {}
         for name, value in zip(self._output_schema.column_names, scores):
             value = value.float()
@@ -235,6 +350,18 @@ class PredictT4RPyTorch(BaseOperator):
                 value = value.reshape(-1)
             outputs[name] = value.cpu().numpy()
         return outputs
+
+    def _top_k_outputs(self, scores: torch.Tensor, seen) -> dict:
+        """Mask reserved (and seen) ids on the scores' device, then take the top-k."""
+        reserved = torch.tensor(self.reserved_item_ids, dtype=torch.int64, device=scores.device)
+        masked = mask_scores(scores.float(), reserved, seen)
+        ids, values = top_k_unmasked(masked, self.top_k)
+        ids_name, scores_name = self._output_schema.column_names
+        return {
+            ids_name: ids.cpu().numpy().astype(
+                self._output_schema[ids_name].dtype.to_numpy, copy=False),
+            scores_name: values.cpu().numpy(),
+        }
 
     def transform(self, col_selector: ColumnSelector, transformable):
         """Run the model on a TensorTable or DataFrame; returns the same kind of object."""

@@ -1,0 +1,73 @@
+"""Refuse a graph where an operator's output columns meet same-named columns of another node.
+
+Merlin merges the schemas of a node's inputs by column name, so when two operators that
+both write ``item_ids`` feed one node (``a + b``, ``[a, b] >> op``), the second one's column
+silently replaces the first one's, in the exported config and in every answer.
+
+Merlin hands an operator its schemas, never its node, and no hook sees the node where
+inputs meet. The node that calls :meth:`validate_schemas` is the caller's ``self``;
+:func:`calling_node` finds it on the stack, and :func:`refuse_colliding_outputs` checks
+every consumer of that node once the whole graph's schemas are known.
+"""
+
+import inspect
+from typing import Iterable, Optional
+
+from merlin.dag import Node
+from merlin_t4r_ops.errors import SchemaMismatchError
+
+__all__ = ["calling_node", "refuse_colliding_outputs"]
+
+_MAX_FRAMES = 8  # Node.validate_schemas calls op.validate_schemas directly
+
+
+def calling_node(op) -> Optional[Node]:
+    """The Merlin ``Node`` whose method is calling into ``op`` right now, if any."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(_MAX_FRAMES):
+            frame = frame.f_back
+            if frame is None:
+                return None
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, Node) and candidate.op is op:
+                return candidate
+        return None
+    finally:
+        del frame  # frames hold references to their locals
+
+
+def _flat_nodes(elements: Iterable) -> Iterable[Node]:
+    for element in elements:
+        if isinstance(element, Node):
+            yield element
+        elif isinstance(element, (list, tuple)):
+            yield from _flat_nodes(element)
+
+
+def _describe(node: Node) -> str:
+    label = getattr(node.op, "label", None) or type(node.op).__name__
+    return f"{type(node.op).__name__} ({label})" if label != type(node.op).__name__ else label
+
+
+def refuse_colliding_outputs(node: Node, names: Iterable[str]) -> None:
+    """Raise if a consumer of ``node`` also receives one of ``names`` from another input.
+
+    Raises
+    ------
+    SchemaMismatchError
+        Naming the colliding columns and both producers.
+    """
+    names = list(names)
+    for consumer in node.children:
+        for other in _flat_nodes(list(consumer.parents) + list(consumer.dependencies)):
+            if other is node or other.output_schema is None:
+                continue
+            clash = [name for name in names if name in other.output_schema.column_names]
+            if clash:
+                raise SchemaMismatchError(
+                    f"output columns {clash} of {_describe(node)} collide with the same "
+                    f"columns of {_describe(other)} at the input of {_describe(consumer)}: "
+                    "Merlin would keep only one of them. Give one operator other output "
+                    "names (PredictT4RPyTorch(..., output_prefix='cart_'))"
+                )

@@ -1,0 +1,232 @@
+"""Top-k in process: T4R's own ``model.top_k``, the catalogue's size, reserved and seen ids.
+
+Every answer is compared with a reference built the slow, obvious way in the test: the
+eager model at its own width, reserved and seen ids set to -inf one by one, ``torch.topk``.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from merlin.schema import Tags
+from merlin.table import TensorTable
+
+import t4r_factories as factories
+from merlin_t4r_ops import PredictT4RPyTorch, T4ROpsError
+from merlin_t4r_ops.ops.masking import FILLER_ID, reserved_item_ids
+
+RTOL, ATOL = 1e-5, 1e-6
+ITEMS = "item_id-list"
+
+
+@pytest.fixture
+def model():
+    return factories.next_item_model("xlnet-causal", seed=21)
+
+
+def _served(op, df):
+    return op.predict(TensorTable.from_df(df))
+
+
+def _sessions_hiding_top_items(model, n, seed, k, hidden=3, reserved=(0,)):
+    """Sessions whose oldest ``hidden`` items are what the model ranks best for the rest.
+
+    Each session is SEQ_LEN recent items (what the model sees) behind ``hidden`` older
+    ones that cropping to the model's width drops; the older ones are the top of the
+    reference top-k of the recent part, so only an exclusion that sees the whole session
+    as sent keeps them out. Returns (sessions, hidden ids per row).
+    """
+    recent = factories.random_sessions(n, np.random.default_rng(seed), min_len=factories.SEQ_LEN,
+                                       max_len=factories.SEQ_LEN)
+    top, _ = factories.reference_top_k(factories.eager_scores(model, recent), k, reserved,
+                                       recent[ITEMS])
+    older = top[:, :hidden]
+    full = recent.copy()
+    full[ITEMS] = [np.concatenate([o, s]) for o, s in zip(older.astype(np.int64), recent[ITEMS])]
+    full["category-list"] = [np.concatenate([np.ones(hidden, np.int64), s])
+                             for s in recent["category-list"]]
+    full["price-list"] = [np.concatenate([np.full(hidden, 0.5, np.float32), s])
+                          for s in recent["price-list"]]
+    return full, older
+
+
+# -- issue 10 defect 2: T4R's own model.top_k ------------------------------------------------
+def test_model_top_k_is_adopted(model):
+    """Before: item_ids declared float32 and "'tuple' object has no attribute 'float'"."""
+    model.top_k = 5
+    op = PredictT4RPyTorch(model)
+    schema = op.compute_output_schema(None, None)
+    assert schema.column_names == ["item_ids", "item_id_scores"]
+    assert schema["item_ids"].dtype.to_numpy == np.int32
+    assert [d.max for d in schema["item_ids"].shape.dims] == [None, 5]
+    df = factories.random_sessions(9, np.random.default_rng(1))
+    out = _served(op, df)
+    ids, scores = factories.reference_top_k(factories.eager_scores(op.model, df), 5)
+    np.testing.assert_array_equal(out["item_ids"], ids)
+    np.testing.assert_allclose(out["item_id_scores"], scores, rtol=RTOL, atol=ATOL)
+    # The caller's model keeps T4R's behaviour: model(batch) is still its own top-k.
+    assert model.top_k == 5
+    with torch.inference_mode():
+        assert isinstance(model(factories.reference_inputs(df)), tuple)
+
+
+def test_operator_top_k_takes_precedence_over_the_models(model):
+    """Before: "top_k applies to next-item prediction only"."""
+    model.top_k = 5
+    op = PredictT4RPyTorch(model, top_k=3)
+    out = _served(op, factories.random_sessions(4, np.random.default_rng(2)))
+    assert out["item_ids"].shape == out["item_id_scores"].shape == (4, 3)
+
+
+def test_t4r_top_k_output_schema_is_recognised(model):
+    """T4R's schema (item_id_scores, item_ids as wide as the catalogue) declares top_k columns."""
+    model.top_k = 4
+    op = PredictT4RPyTorch(model, model.input_schema, model.output_schema)
+    schema = op.compute_output_schema(None, None)
+    assert [d.max for d in schema["item_ids"].shape.dims] == [None, 4]
+    assert schema["item_ids"].dtype.to_numpy == np.int64  # T4R declares the item column's
+    out = _served(op, factories.random_sessions(3, np.random.default_rng(3)))
+    assert out["item_ids"].dtype == np.int64 and out["item_ids"].shape == (3, 4)
+
+
+# -- issue 10 defect 3: top_k larger than the catalogue ----------------------------------------
+@pytest.mark.parametrize("top_k", [500, factories.ITEMS])
+def test_top_k_larger_than_the_catalogue_is_refused(model, top_k):
+    """Before: top_k=500 was accepted, declared [-1, 500] and answered (rows, 100)."""
+    with pytest.raises(T4ROpsError, match=rf"top_k={top_k} is more than the model can "
+                                          rf"recommend: it scores 100 item ids, and 1 of them "
+                                          rf"are reserved \[0\], which leaves 99"):
+        PredictT4RPyTorch(model, top_k=top_k)
+
+
+def test_top_k_up_to_the_unreserved_catalogue_is_accepted(model):
+    op = PredictT4RPyTorch(model, top_k=factories.ITEMS - 1)
+    out = _served(op, factories.random_sessions(2, np.random.default_rng(4)))
+    assert out["item_ids"].shape == (2, factories.ITEMS - 1)
+    assert 0 not in out["item_ids"]
+
+
+# -- issue 11: reserved ids, read from the schema ----------------------------------------------
+def test_a_column_not_made_by_categorify_reserves_only_padding(model):
+    assert reserved_item_ids(model.input_schema[ITEMS], padding_id=0) == (0,)
+    assert PredictT4RPyTorch(model, top_k=3).reserved_item_ids == (0,)
+
+
+@pytest.mark.parametrize("categorify", [{}, {"num_buckets": 4, "freq_threshold": 2}])
+def test_reserved_ids_follow_categorify(tmp_path, categorify):
+    """Whatever Categorify's own metadata table says comes before the first real item."""
+    import nvtabular as nvt
+    from merlin.io import Dataset
+
+    # Event rows (one item per row): NVTabular 23.08 cannot hash list columns on the CPU.
+    rng = np.random.default_rng(5)
+    raw = pd.DataFrame({"item_id": rng.integers(0, 300, size=2000) * 7919 + 100_000})
+    items = (["item_id"] >> nvt.ops.Categorify(out_path=str(tmp_path), **categorify)
+             >> nvt.ops.AddTags([Tags.ITEM_ID, Tags.ITEM, Tags.CATEGORICAL]))
+    workflow = nvt.Workflow(items)
+    workflow.fit(Dataset(raw))
+    column = workflow.output_schema["item_id"]
+
+    meta = pd.read_parquet(Path(column.properties["cat_path"]).parent / "meta.item_id.parquet")
+    first_item = int(meta.set_index("kind").loc["unique", "offset"])
+    assert reserved_item_ids(column, padding_id=0) == tuple(range(first_item))
+
+
+@pytest.fixture
+def categorify_model(session_workflow):
+    workflow, model, _ = session_workflow
+    return model
+
+
+def test_operator_reads_categorifys_reserved_ids(categorify_model):
+    assert PredictT4RPyTorch(categorify_model, top_k=3).reserved_item_ids == (0, 1, 2)
+    with pytest.raises(T4ROpsError, match=r"scores 400 item ids, and 3 of them are reserved "
+                                          r"\[0, 1, 2\], which leaves 397"):
+        PredictT4RPyTorch(categorify_model, top_k=398)
+
+
+def test_reserved_ids_never_reach_a_top_k(model):
+    k = 60
+    df = factories.random_sessions(40, np.random.default_rng(6))
+    scores = factories.eager_scores(model, df)
+    unmasked = torch.topk(torch.from_numpy(scores), k).indices.numpy()
+    assert (unmasked == 0).any(), "precondition: the padding id scores inside a plain top-k"
+    out = _served(PredictT4RPyTorch(model, top_k=k), df)
+    ids, values = factories.reference_top_k(scores, k)
+    assert not (out["item_ids"] == 0).any()
+    np.testing.assert_array_equal(out["item_ids"], ids)
+    np.testing.assert_allclose(out["item_id_scores"], values, rtol=RTOL, atol=ATOL)
+
+
+# -- issue 11: exclude_seen -------------------------------------------------------------------
+def test_exclude_seen_removes_items_that_cropping_drops(model):
+    k = 10
+    df, hidden = _sessions_hiding_top_items(model, 12, seed=7, k=k)
+    assert (df[ITEMS].map(len) > factories.SEQ_LEN).all()
+    scores = factories.eager_scores(model, df)  # the model at its own width: recent items
+    seen = PredictT4RPyTorch(model, top_k=k, exclude_seen=True)
+    out = _served(seen, df)
+    ids, values = factories.reference_top_k(scores, k, sessions=df[ITEMS])
+    np.testing.assert_array_equal(out["item_ids"], ids)
+    np.testing.assert_allclose(out["item_id_scores"], values, rtol=RTOL, atol=ATOL)
+    for row, older in enumerate(hidden):
+        assert not set(older) & set(out["item_ids"][row])
+        assert not set(df[ITEMS][row]) & set(out["item_ids"][row])
+    # Excluding only what the model sees would recommend the dropped items first.
+    cropped = df[ITEMS].map(lambda s: s[-factories.SEQ_LEN:])
+    crop_only, _ = factories.reference_top_k(scores, k, sessions=cropped)
+    np.testing.assert_array_equal(crop_only[:, :3], hidden)
+
+
+def test_exclude_seen_on_fixed_width_requests(model):
+    k = 10
+    df, _ = _sessions_hiding_top_items(model, 5, seed=8, k=k)
+    width = int(df[ITEMS].map(len).max())
+    padded = {name: np.stack([np.pad(s, (0, width - len(s))) for s in df[name]])
+              for name in df.columns}
+    out = PredictT4RPyTorch(model, top_k=k, exclude_seen=True).predict(TensorTable(padded))
+    ids, _ = factories.reference_top_k(factories.eager_scores(model, df), k, sessions=df[ITEMS])
+    np.testing.assert_array_equal(out["item_ids"], ids)
+
+
+def test_a_row_with_fewer_items_left_than_top_k_is_filled(model):
+    """99 ids are recommendable; a session of 5 distinct items leaves 94 for a top-99."""
+    df = factories.random_sessions(1, np.random.default_rng(9), min_len=5, max_len=5)
+    df.at[0, ITEMS] = np.array([11, 12, 13, 14, 15], dtype=np.int64)
+    out = _served(PredictT4RPyTorch(model, top_k=99, exclude_seen=True), df)
+    ids, scores = out["item_ids"][0], out["item_id_scores"][0]
+    assert ids.shape == (99,)
+    np.testing.assert_array_equal(ids[94:], [FILLER_ID] * 5)
+    assert np.isneginf(scores[94:]).all() and np.isfinite(scores[:94]).all()
+    assert sorted(ids[:94]) == sorted(set(range(1, 100)) - {11, 12, 13, 14, 15})
+
+
+def test_exclude_seen_needs_top_k(model):
+    with pytest.raises(T4ROpsError, match=r"exclude_seen=True needs top_k"):
+        PredictT4RPyTorch(model, exclude_seen=True)
+
+
+def test_local_runtime_masks_categorify_reserved_and_seen_ids(session_workflow):
+    """Raw sessions through the workflow and the operator, in Merlin's local runtime."""
+    from merlin.io import Dataset
+    from merlin.systems.dag import Ensemble
+    from merlin.systems.dag.ops.workflow import TransformWorkflow
+
+    workflow, model, raw = session_workflow
+    k = 120
+    df = raw.head(30).reset_index(drop=True)
+    op = PredictT4RPyTorch(model, top_k=k, exclude_seen=True)
+    ensemble = Ensemble(workflow.input_schema.column_names >> TransformWorkflow(workflow) >> op,
+                        workflow.input_schema)
+    out = ensemble.transform(df)
+
+    encoded = workflow.transform(Dataset(df)).to_ddf().compute().reset_index(drop=True)
+    assert (encoded[ITEMS].map(len) > factories.SEQ_LEN).any()
+    scores = factories.eager_scores(model, encoded)
+    unmasked = torch.topk(torch.from_numpy(scores), k).indices.numpy()
+    assert np.isin(unmasked, [0, 1, 2]).any(), "precondition: reserved ids score in a top-k"
+    ids, values = factories.reference_top_k(scores, k, (0, 1, 2), encoded[ITEMS])
+    np.testing.assert_array_equal(np.stack(out["item_ids"]), ids)
+    np.testing.assert_allclose(np.stack(out["item_id_scores"]), values, rtol=RTOL, atol=ATOL)
