@@ -5,7 +5,16 @@ Four paths side by side, for the same sessions:
 * ``eager``       the floor: ``model(padded tensors)`` under ``torch.inference_mode``;
 * ``local``       ``ensemble.transform(TensorTable)``, Merlin's in-process runtime;
 * ``triton-full`` tritonserver over gRPC on 127.0.0.1, full score matrix back;
-* ``triton-top``  the same, returning the top ``--top-k`` items and their scores.
+* ``triton-top``  the same, returning the top ``--top-k`` items and their scores (Triton
+  today);
+* ``triton-batched`` the top-k ensemble exported with
+  :class:`merlin_t4r_ops.runtime.BatchingTritonRuntime`: Triton's dynamic batcher hands its
+  executor several requests, which run as one batch (batching across requests).
+
+After the grid, batch-1 requests from ``--batch1-concurrency`` clients (16 and 64 by
+default, 8 with ``--quick``) compare Triton today with batching across requests, and the
+gain in rows/s is printed with the requests each ``execute`` call held (Triton's own
+statistics).
 
 The Triton paths are timed from a pandas DataFrame of sessions to numpy outputs: the
 client's encoding (``dataframe_to_inputs``) and decoding (``as_numpy``) are part of the
@@ -38,7 +47,10 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests")]  # the tests' factories
 
-PATHS = ("eager", "local", "triton-full", "triton-top")
+BATCHED = "triton-batched"
+PATHS = ("eager", "local", "triton-full", "triton-top", BATCHED)
+# Batch-1 requests from many clients: the floor, Triton today, batching across requests.
+CONCURRENT_PATHS = ("eager", "triton-top", BATCHED)
 
 
 def parse_args(argv=None):
@@ -61,11 +73,16 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--instances", type=int, default=None,
                    help="optional: rewrite the exported instance_group count (default: as exported)")
+    p.add_argument("--batch1-concurrency", default=None,
+                   help="clients sending batch-1 requests (default 16,64; 8 with --quick)")
+    p.add_argument("--batch-delay-us", type=int, default=0,
+                   help="max_queue_delay_microseconds of the triton-batched model")
     p.add_argument("--quick", action="store_true", help="1k items, 32 requests, 1 s, 2 rounds per cell")
     p.add_argument("--output-dir", default=None, help="write serving.md and serving.json here")
     args = p.parse_args(argv)
     if args.quick:
         args.items, args.requests, args.seconds, args.warmup, args.rounds = 1_000, 32, 1.0, 2, 2
+    args.batch1_concurrency = args.batch1_concurrency or ("8" if args.quick else "16,64")
     return args
 
 
@@ -99,7 +116,23 @@ def export_repository(model, args, device, path):
         ensembles[name].export(str(path), name=name)
         if args.instances:
             set_instance_count(Path(path) / name / "config.pbtxt", args.instances)
+    ensembles["batched"] = export_batched(model, args, device, path)
     return ensembles
+
+
+def export_batched(model, args, device, path):
+    """The top-k ensemble once more, batched across requests (the ``triton-batched`` path)."""
+    from merlin.systems.dag import Ensemble
+
+    from merlin_t4r_ops import PredictT4RPyTorch
+    from merlin_t4r_ops.runtime import BatchingTritonRuntime
+
+    op = PredictT4RPyTorch(model, top_k=args.top_k, device=str(device))
+    ensemble = Ensemble(model.input_schema.column_names >> op, model.input_schema)
+    runtime = BatchingTritonRuntime(max_queue_delay_us=args.batch_delay_us,
+                                    instances=args.instances or 1)
+    ensemble.export(str(path), name="batched", runtime=runtime)
+    return ensemble
 
 
 def set_instance_count(config_path, count):
@@ -201,22 +234,78 @@ def path_calls(path, df, inputs_dtypes, tensors, ensembles, server, device):
             return call
         return make
 
+    name = {"triton-full": "full", "triton-top": "top", BATCHED: "batched"}[path]
+    return triton_calls(name, ensembles[name].output_schema.column_names, df, inputs_dtypes,
+                        server, batch_dimension=path == BATCHED)
+
+
+def triton_calls(name, outputs, df, inputs_dtypes, server, *, batch_dimension=False):
+    """Per-thread callables sending ``df`` to Triton model ``name``; each returns the size.
+
+    ``batch_dimension``: the model was exported with ``BatchingTritonRuntime``, which takes
+    each request as one batch entry (a leading dimension of 1 on every tensor).
+    """
     import tritonclient.grpc as grpcclient
 
-    name = "full" if path == "triton-full" else "top"
-    outputs = ensembles[name].output_schema.column_names
+    from merlin_t4r_ops.serving.client import dataframe_to_inputs
 
     def make():
         client = server.client()
         requested = [grpcclient.InferRequestedOutput(o) for o in outputs]
 
         def call():
-            result = client.infer(name, dataframe_to_inputs(df, inputs_dtypes), outputs=requested)
+            inputs = dataframe_to_inputs(df, inputs_dtypes, batch_dimension=batch_dimension)
+            result = client.infer(name, inputs, outputs=requested)
             for o in outputs:
                 result.as_numpy(o)
             return result.get_response().ByteSize()
         return call
     return make
+
+
+def execute_counts(client, name):
+    """(requests, execute calls) that Triton has counted for model ``name`` so far."""
+    stats = client.get_inference_statistics(name, as_json=True)["model_stats"][0]
+    return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
+
+
+def concurrent_batch1(df, dtypes, tensors, ensembles, server, device, args):
+    """Batch-1 requests from each of ``--batch1-concurrency`` clients, per path.
+
+    The ``triton-batched`` cells also carry ``requests_per_execute``: how many requests
+    Triton's dynamic batcher put in one ``execute`` call, from the server's statistics.
+    """
+    makers = {path: path_calls(path, df, dtypes, tensors, ensembles, server, device)
+              for path in CONCURRENT_PATHS}
+    stats = server.client()
+    rows = []
+    for concurrency in [int(c) for c in args.batch1_concurrency.split(",")]:
+        before = execute_counts(stats, "batched")
+        cells = measure_cell(makers, 1, concurrency, args)
+        requests, executions = np.subtract(execute_counts(stats, "batched"), before)
+        cells[BATCHED]["requests_per_execute"] = requests / max(1, executions)
+        for path, cell in cells.items():
+            cell.update(path=path, batch=1, concurrency=concurrency,
+                        vs_floor=cell["p50_ms"] / cells["eager"]["p50_ms"])
+            rows.append(cell)
+            print(format_row(cell), flush=True)
+    return rows
+
+
+def batching_gains(rows):
+    """Markdown table: rows/s of batching across requests over Triton today, batch 1."""
+    cells = {(r["path"], r["concurrency"]): r for r in rows if r["batch"] == 1}
+    lines = ["| batch-1 clients | Triton today rows/s | batched rows/s | gain | "
+             "requests per execute |", "|---:|---:|---:|---:|---:|"]
+    for (path, concurrency), batched in sorted(cells.items(), key=lambda kv: kv[0][1]):
+        today = cells.get(("triton-top", concurrency))
+        if path != BATCHED or today is None or "requests_per_execute" not in batched:
+            continue
+        lines.append(f"| {concurrency} | {today['rows_per_s']:,.0f} | "
+                     f"{batched['rows_per_s']:,.0f} | "
+                     f"{batched['rows_per_s'] / today['rows_per_s']:.2f}x | "
+                     f"{batched['requests_per_execute']:.1f} |")
+    return "\n".join(lines)
 
 
 def run(args):
@@ -254,6 +343,9 @@ def run(args):
                                     vs_floor=cell["p50_ms"] / floor)
                         rows.append(cell)
                         print(format_row(cell), flush=True)
+                if batch == 1:
+                    rows += concurrent_batch1(df, dtypes, tensors, ensembles, server, device,
+                                              args)
     return rows, device
 
 
@@ -295,13 +387,16 @@ def main(argv=None):
                 f"length {args.seq_len}, {args.items:,} items, top-{args.top_k}, device "
                 f"{device}, instances {args.instances or 'as exported'}, torch threads "
                 f"{torch.get_num_threads()}, {args.rounds} rounds")
+    settings += f", triton-batched max_queue_delay_us {args.batch_delay_us}"
     table = "\n".join([HEADER] + [format_row(r) for r in rows])
+    gains = batching_gains(rows)
+    print(f"\nBatching across requests, measured in the same run:\n{gains}")
     print(f"\nMachine: {machine(device)}\nSettings: {settings}\n")
     if args.output_dir:
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "serving.md").write_text(
-            f"Machine: {machine(device)}\n\nSettings: {settings}\n\n{table}\n")
+            f"Machine: {machine(device)}\n\nSettings: {settings}\n\n{table}\n\n{gains}\n")
         (out / "serving.json").write_text(json.dumps(
             {"machine": machine(device), "settings": vars(args), "rows": rows}, indent=2))
 
