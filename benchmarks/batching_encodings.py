@@ -2,12 +2,13 @@
 
 Merlin exports ragged list columns as ``<col>__values`` and ``<col>__offsets`` with
 ``max_batch_size: 0``: no batch dimension, so Triton's dynamic batcher cannot run and every
-``execute`` gets one request. This experiment serves one toy Python model four ways against
+``execute`` gets one request. This experiment serves one toy Python model five ways against
 the real tritonserver and counts how many requests each ``execute`` call received:
 
 * ``stock``      Merlin's encoding, ``max_batch_size: 0`` (the baseline);
 * ``ragged``     (a) the same tensors with a leading batch dimension of 1 per request,
   ``max_batch_size > 0``, ``allow_ragged_batch`` on every input and ``dynamic_batching``;
+* ``unragged``   (a) without ``allow_ragged_batch``: requests batch only when their shapes match;
 * ``padded``     (b) fixed-width ``[rows, width]`` sessions plus a ``[rows, 1]`` length,
   rows as the batch dimension, ``dynamic_batching``;
 * ``decoupled``  (c) Merlin's encoding with ``max_batch_size: 0`` and a decoupled model that
@@ -33,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 WIDTH = 20
+ENCODINGS = ("stock", "ragged", "unragged", "padded", "decoupled")
 MAX_BATCH = 64
 
 MODEL_PY = '''
@@ -56,8 +58,10 @@ def rows_of(request, encoding):
 
 def answer(rows, group, encoding):
     out = np.full(rows, group, dtype=np.int32)
-    if encoding in ("ragged", "padded"):
-        out = out.reshape(1, rows) if encoding == "ragged" else out.reshape(rows, 1)
+    if encoding in ("ragged", "unragged"):
+        out = out.reshape(1, rows)
+    elif encoding == "padded":
+        out = out.reshape(rows, 1)
     return pb_utils.InferenceResponse([pb_utils.Tensor("group", out)])
 
 
@@ -107,7 +111,7 @@ def config(name, delay_us):
         input [ {{ name: "x__values" data_type: TYPE_INT64 dims: [ -1 ] {ragged} }},
                 {{ name: "x__offsets" data_type: TYPE_INT32 dims: [ -1 ] {ragged} }} ]
         output [ {{ name: "group" data_type: TYPE_INT32 dims: [ -1 ] }} ]"""
-    batching = name in ("ragged", "padded")
+    batching = name in ("ragged", "unragged", "padded")
     text = f"""
         name: "{name}"
         backend: "python"
@@ -124,7 +128,7 @@ def config(name, delay_us):
 
 
 def write_repository(path, delay_us):
-    for name in ("stock", "ragged", "padded", "decoupled"):
+    for name in ENCODINGS:
         (path / name / "1").mkdir(parents=True)
         (path / name / "config.pbtxt").write_text(config(name, delay_us))
         (path / name / "1" / "model.py").write_text(MODEL_PY)
@@ -138,7 +142,7 @@ def request_arrays(name, length, rng):
         padded[0, :min(length, WIDTH)] = items[-WIDTH:]
         return {"x": padded, "x__lengths": np.array([[min(length, WIDTH)]], dtype=np.int32)}
     arrays = {"x__values": items, "x__offsets": np.array([0, length], dtype=np.int32)}
-    if name == "ragged":
+    if name in ("ragged", "unragged"):
         arrays = {k: v[None] for k, v in arrays.items()}
     return arrays
 
@@ -245,7 +249,7 @@ def main(argv=None):
             print("| encoding | conc | requests | rows/s | p50 ms | requests per execute |")
             print("|---|---:|---:|---:|---:|---:|")
             for concurrency in [int(c) for c in args.concurrency.split(",")]:
-                for name in ("stock", "ragged", "padded", "decoupled"):
+                for name in ENCODINGS:
                     r = measure(server, name, concurrency, args.seconds)
                     rows.append(r)
                     print(f"| {name} | {concurrency} | {r['requests']} | {r['rows_per_s']:.0f} | "

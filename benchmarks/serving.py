@@ -280,8 +280,13 @@ def concurrent_batch1(df, dtypes, tensors, ensembles, server, device, args):
     stats = server.client()
     rows = []
     for concurrency in [int(c) for c in args.batch1_concurrency.split(",")]:
+        # Enough requests that every client sends 25 per round (a few per client would time
+        # little but the clients' start), and at least 2 s per cell; still bounded by both.
+        budget = argparse.Namespace(**{
+            **vars(args), "requests": max(args.requests, 25 * concurrency * args.rounds),
+            "seconds": max(args.seconds, 2.0)})
         before = execute_counts(stats, "batched")
-        cells = measure_cell(makers, 1, concurrency, args)
+        cells = measure_cell(makers, 1, concurrency, budget)
         requests, executions = np.subtract(execute_counts(stats, "batched"), before)
         cells[BATCHED]["requests_per_execute"] = requests / max(1, executions)
         for path, cell in cells.items():
