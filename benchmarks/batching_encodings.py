@@ -239,6 +239,7 @@ def main(argv=None):
     p.add_argument("--concurrency", default="8,16")
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--delay-us", type=int, default=2000, help="max_queue_delay_microseconds")
+    p.add_argument("--encodings", default=",".join(ENCODINGS), help=f"of {ENCODINGS}")
     p.add_argument("--output", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     rows = []
@@ -249,7 +250,7 @@ def main(argv=None):
             print("| encoding | conc | requests | rows/s | p50 ms | requests per execute |")
             print("|---|---:|---:|---:|---:|---:|")
             for concurrency in [int(c) for c in args.concurrency.split(",")]:
-                for name in ENCODINGS:
+                for name in args.encodings.split(","):
                     r = measure(server, name, concurrency, args.seconds)
                     rows.append(r)
                     print(f"| {name} | {concurrency} | {r['requests']} | {r['rows_per_s']:.0f} | "
