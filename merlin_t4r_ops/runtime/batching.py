@@ -9,7 +9,7 @@ the good ones are concatenated row-wise, and the graph's outputs are cut back in
 per request, in order. Nothing here needs Triton, so it is tested in process.
 """
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, NamedTuple, Sequence
 
 import numpy as np
 
@@ -24,14 +24,11 @@ VALUES, OFFSETS = "__values", "__offsets"
 Arrays = Dict[str, np.ndarray]
 
 
-class RequestRows:
+class RequestRows(NamedTuple):
     """One request's tensors without their batch dimension, and its number of rows."""
 
-    __slots__ = ("arrays", "rows")
-
-    def __init__(self, arrays: Arrays, rows: int):
-        self.arrays = arrays
-        self.rows = rows
+    arrays: Arrays
+    rows: int
 
 
 def _without_batch_dim(name: str, array: np.ndarray) -> np.ndarray:
@@ -98,12 +95,16 @@ def _concat_offsets(parts: List[np.ndarray]) -> np.ndarray:
 def split_outputs(outputs: TensorTable, rows: Sequence[int]) -> List[Arrays]:
     """Cut the graph's ``outputs`` into one dict of arrays per request of ``rows`` rows.
 
+    The outputs of a single request are its answer whatever their number of rows.
+
     Raises
     ------
     ValueError
-        When an output column does not have one row per input row (a graph that filters or
-        adds rows cannot be split back by row).
+        When, for several requests, an output column does not have one row per input row (a
+        graph that filters or adds rows cannot be split back by row).
     """
+    if len(rows) == 1:
+        return [{name: _numpy(array) for name, array in outputs.to_dict().items()}]
     bounds = np.cumsum([0, *rows])
     pieces: List[Arrays] = [{} for _ in rows]
     for name in outputs.columns:
