@@ -1,41 +1,50 @@
-"""Serving latency of a T4R next-item model: eager floor vs Merlin's local runtime vs Triton.
+"""Serving latency of a T4R next-item model: eager and CUDA graphs, in process and on Triton.
 
-Four paths side by side, for the same sessions:
+Paths, side by side on the same sessions (``--paths`` picks; the first four by default):
 
-* ``eager``       the floor: ``model(padded tensors)`` under ``torch.inference_mode``;
-* ``local``       ``ensemble.transform(TensorTable)``, Merlin's in-process runtime;
-* ``triton-full`` tritonserver over gRPC on 127.0.0.1, full score matrix back;
-* ``triton-top``  the same, returning the top ``--top-k`` items and their scores (Triton
-  today);
-* ``triton-batched`` the top-k ensemble exported with
-  :class:`merlin_t4r_ops.runtime.BatchingTritonRuntime`: Triton's dynamic batcher hands its
-  executor several requests, which run as one batch (batching across requests).
+* ``eager``           in process: the operator's eager forward + top-k, from CPU tensors to
+                      CPU outputs (copies included) -- today's floor;
+* ``captured``        in process: the same replayed from the operator's CUDA-graph buckets
+                      (copy in, replay, copy out), ``merlin_t4r_ops.ops.cuda_graphs``;
+* ``triton``          tritonserver over gRPC on 127.0.0.1, top-k, eager operator (today);
+* ``triton-captured`` the same with the operator's CUDA-graph buckets;
+* ``local``, ``local-captured``  Merlin's in-process runtime (``ensemble.transform``): the
+                      executor's own Python, without Triton and gRPC;
+* ``triton-full``     Triton returning the full ``[batch, items]`` scores (eager);
+* ``compiled``        in process: ``torch.compile(mode="reduce-overhead")`` of the same
+                      forward + top-k, the alternative to our own buckets (compile time and
+                      parity with eager are printed at its first call);
+* ``triton-batched``  Triton with batching across requests: the top-k ensemble exported with
+                      ``merlin_t4r_ops.runtime.BatchingTritonRuntime`` (eager operator);
+* ``triton-batched-captured``  the same with the operator's CUDA-graph buckets.
 
-After the grid, batch-1 requests from ``--batch1-concurrency`` clients (16 and 64 by
-default, 8 with ``--quick``) compare Triton today with batching across requests, and the
-gain in rows/s is printed with the requests each ``execute`` call held (Triton's own
-statistics).
+After the grid, batch-1 requests from ``--batch1-concurrency`` clients (16 and 64 by default,
+8 with ``--quick``) compare Triton today with batching across requests, and the gain in
+rows/s is printed with the requests each ``execute`` call held (Triton's statistics).
 
 The Triton paths are timed from a pandas DataFrame of sessions to numpy outputs: the
 client's encoding (``dataframe_to_inputs``) and decoding (``as_numpy``) are part of the
-cost. The eager and local paths start from tensors built before the clock starts. Each
-thread of a concurrency level has its own gRPC client. Every cell is bounded by a request
-count and by a time budget, and split into ``--rounds`` that alternate between the paths,
-so that load from elsewhere on the machine falls on all of them alike. The benchmark
-process uses the same number of torch threads as each Triton stub (``stub_threads``), so
-the floor and the served model run alike.
+cost. Each thread of a concurrency level has its own gRPC client. Every cell is bounded by a
+request count and by a time budget, and split into ``--rounds`` that alternate between the
+paths, so that load from elsewhere on the machine falls on all of them alike. The benchmark
+process uses the same number of torch threads as each Triton stub (``stub_threads``).
+
+On CUDA two more tables say where the time goes: per bucket, the GPU time of forward + top-k
+(CUDA events around back-to-back graph replays) against the captured and eager paths in
+process; and per Triton path, the server's own statistics (queue, compute input, infer,
+output) against what the client saw.
 
 Usage::
 
-    python benchmarks/serving.py --output-dir results/          # 50k items, the full grid
+    python benchmarks/serving.py --output-dir results/          # the full grid
     python benchmarks/serving.py --quick --output-dir /tmp/sb   # small smoke run
     python benchmarks/serving.py --device cuda --instances 2    # two Triton GPU instances
 """
 
 import argparse
+import contextlib
 import json
 import os
-import re
 import sys
 import tempfile
 import threading
@@ -47,10 +56,17 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests")]  # the tests' factories
 
-BATCHED = "triton-batched"
-PATHS = ("eager", "local", "triton-full", "triton-top", BATCHED)
-# Batch-1 requests from many clients: the floor, Triton today, batching across requests.
-CONCURRENT_PATHS = ("eager", "triton-top", BATCHED)
+BATCHED, BATCHED_CAPTURED = "triton-batched", "triton-batched-captured"
+PATHS = ("eager", "captured", "triton", "triton-captured",
+         "local", "local-captured", "triton-full", "compiled", BATCHED, BATCHED_CAPTURED)
+DEFAULT_PATHS = "eager,captured,triton,triton-captured,triton-batched"
+# Which exported ensemble each Triton or local path uses.
+ENSEMBLE_OF = {"triton": "top", "triton-captured": "top_captured", "triton-full": "full",
+               "local": "top", "local-captured": "top_captured",
+               BATCHED: "batched", BATCHED_CAPTURED: "batched_captured"}
+# Batch-1 requests from many clients: the floor, Triton today and batching across requests
+# (in-process CUDA-graph replays share static buffers, so "captured" stays out).
+CONCURRENT_PATHS = ("eager", "triton", "triton-captured", BATCHED, BATCHED_CAPTURED)
 
 
 def parse_args(argv=None):
@@ -62,8 +78,13 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=20)
     p.add_argument("--items", type=int, default=50_000)
     p.add_argument("--top-k", type=int, default=20)
-    p.add_argument("--batch-sizes", default="1,16,64,256")
-    p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--batch-sizes", default="1,64,256")
+    p.add_argument("--concurrency", default="1")
+    p.add_argument("--paths", default=DEFAULT_PATHS, help=f"comma-separated, of {PATHS}")
+    p.add_argument("--no-bucket-table", dest="bucket_table", action="store_false",
+                   help="skip the per-bucket GPU-time table (CUDA)")
+    p.add_argument("--buckets", default="1,2,4,8,16,32,64,128,256",
+                   help="the operator's CUDA-graph buckets (captured paths)")
     p.add_argument("--requests", type=int, default=200, help="most requests per cell")
     p.add_argument("--seconds", type=float, default=4.0, help="most seconds per cell")
     p.add_argument("--warmup", type=int, default=5, help="untimed requests per thread")
@@ -72,17 +93,22 @@ def parse_args(argv=None):
                    help="torch threads here (default: what each Triton stub gets)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--instances", type=int, default=None,
-                   help="optional: rewrite the exported instance_group count (default: as exported)")
+                   help="optional: executor instances per GPU (default: as Merlin exports)")
     p.add_argument("--batch1-concurrency", default=None,
                    help="clients sending batch-1 requests (default 16,64; 8 with --quick)")
     p.add_argument("--batch-delay-us", type=int, default=0,
-                   help="max_queue_delay_microseconds of the triton-batched model")
+                   help="max_queue_delay_microseconds of the triton-batched models")
     p.add_argument("--quick", action="store_true", help="1k items, 32 requests, 1 s, 2 rounds per cell")
     p.add_argument("--output-dir", default=None, help="write serving.md and serving.json here")
     args = p.parse_args(argv)
     if args.quick:
         args.items, args.requests, args.seconds, args.warmup, args.rounds = 1_000, 32, 1.0, 2, 2
     args.batch1_concurrency = args.batch1_concurrency or ("8" if args.quick else "16,64")
+    args.paths = [p for p in args.paths.split(",") if p]
+    unknown = [p for p in args.paths if p not in PATHS]
+    if unknown:
+        p.error(f"--paths: unknown {unknown}; choose from {PATHS}")
+    args.buckets = tuple(int(b) for b in args.buckets.split(",") if b)
     return args
 
 
@@ -104,46 +130,39 @@ def build_model(args, device):
 
 
 def export_repository(model, args, device, path):
-    """Export the full-score and top-k ensembles; optionally set their instance count."""
+    """Export the ensembles the chosen paths need, with ``--instances`` per GPU if given."""
     from merlin.systems.dag import Ensemble
 
     from merlin_t4r_ops import PredictT4RPyTorch
 
+    settings = {"full": (None, None), "top": (args.top_k, None),
+                "top_captured": (args.top_k, args.buckets), "batched": (args.top_k, None),
+                "batched_captured": (args.top_k, args.buckets)}
+    needed = {ENSEMBLE_OF[p] for p in args.paths if p in ENSEMBLE_OF}
     ensembles = {}
-    for name, top_k in (("full", None), ("top", args.top_k)):
-        op = PredictT4RPyTorch(model, top_k=top_k, device=str(device))
+    for name in sorted(needed):
+        top_k, buckets = settings[name]
+        op = PredictT4RPyTorch(model, top_k=top_k, device=str(device), cuda_graph_buckets=buckets)
         ensembles[name] = Ensemble(model.input_schema.column_names >> op, model.input_schema)
-        ensembles[name].export(str(path), name=name)
-        if args.instances:
-            set_instance_count(Path(path) / name / "config.pbtxt", args.instances)
-    ensembles["batched"] = export_batched(model, args, device, path)
+        ensembles[name].export(str(path), name=name, runtime=export_runtime(name, args))
     return ensembles
 
 
-def export_batched(model, args, device, path):
-    """The top-k ensemble once more, batched across requests (the ``triton-batched`` path)."""
-    from merlin.systems.dag import Ensemble
+def export_runtime(name, args):
+    """Merlin's runtime, or ours for ``--instances`` and for batching across requests."""
+    from merlin_t4r_ops.runtime import BatchingTritonRuntime, TritonRuntime
 
-    from merlin_t4r_ops import PredictT4RPyTorch
-    from merlin_t4r_ops.runtime import BatchingTritonRuntime
-
-    op = PredictT4RPyTorch(model, top_k=args.top_k, device=str(device))
-    ensemble = Ensemble(model.input_schema.column_names >> op, model.input_schema)
-    runtime = BatchingTritonRuntime(max_queue_delay_us=args.batch_delay_us,
-                                    instances=args.instances or 1)
-    ensemble.export(str(path), name="batched", runtime=runtime)
-    return ensemble
-
-
-def set_instance_count(config_path, count):
-    """Optional post-export tuning: give every ``instance_group`` of a config ``count`` copies."""
-    text = Path(config_path).read_text()
-    text = re.sub(r"instance_group\s*\{", f"instance_group {{\n  count: {count}", text)
-    Path(config_path).write_text(text)
+    instances = {"instances": args.instances} if args.instances else {}
+    if name.startswith("batched"):
+        return BatchingTritonRuntime(max_queue_delay_us=args.batch_delay_us, **instances)
+    return TritonRuntime(**instances) if instances else None
 
 
 def measure(calls, per_thread, seconds, warmup):
     """One round of one path: ``len(calls)`` threads, each calling its own callable.
+
+    With one callable the round runs in the calling thread and its wall time is the sum of
+    the request latencies (nothing else runs between them).
 
     Returns
     -------
@@ -164,6 +183,12 @@ def measure(calls, per_thread, seconds, warmup):
             calls[i]()
             latencies[i].append(time.perf_counter() - t0)
 
+    if len(calls) == 1:
+        # Concurrency 1 runs in this thread: torch.compile's CUDA-graph trees are bound to
+        # the thread that compiled them (torch 2.11 asserts in cudagraph_trees otherwise).
+        start = threading.Barrier(1)
+        worker(0)
+        return [1e3 * x for x in latencies[0]], sum(latencies[0]), sizes[0]
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(calls))]
     for thread in threads:
         thread.start()
@@ -197,6 +222,7 @@ def measure_cell(makers, rows, concurrency, args):
     for path, (lat, wall, size) in totals.items():
         cells[path] = {
             "p50_ms": float(np.percentile(lat, 50)),
+            "mean_ms": float(np.mean(lat)),
             "p99_ms": float(np.percentile(lat, 99)),
             "rows_per_s": rows * len(lat) / wall,
             "requests": len(lat),
@@ -205,27 +231,56 @@ def measure_cell(makers, rows, concurrency, args):
     return cells
 
 
-def path_calls(path, df, inputs_dtypes, tensors, ensembles, server, device):
+def in_process_ops(model, args):
+    """The operator eager and with CUDA-graph buckets (captured now, logged), in process."""
+    from merlin_t4r_ops import PredictT4RPyTorch
+
+    eager = PredictT4RPyTorch(model, top_k=args.top_k, cuda_graph_buckets=None)
+    captured = PredictT4RPyTorch(model, top_k=args.top_k, cuda_graph_buckets=args.buckets)
+    captured._capture_graphs()
+    return {"eager": eager, "captured": captured}
+
+
+def path_calls(path, df, inputs_dtypes, cpu_inputs, ops, ensembles, server):
     """A factory of per-thread callables for ``path``; each call returns the response size."""
     import torch
 
     from merlin.table import TensorTable
-    from merlin_t4r_ops.serving.client import dataframe_arrays, dataframe_to_inputs
+    from merlin_t4r_ops.serving.client import dataframe_arrays
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    model = ensembles["full"].graph.output_node.op.model
+    def nbytes(outputs):
+        return sum(v.element_size() * v.nelement() for v in outputs.values())
+
     if path == "eager":
+        op = ops["eager"]
+        device = op.device
+
         def make():
             def call():
                 with torch.inference_mode():
-                    scores = model(tensors, training=False, testing=False)
-                sync()
-                return scores.element_size() * scores.nelement()
+                    outputs = op._device_outputs({k: v.to(device) for k, v in cpu_inputs.items()})
+                return nbytes({k: v.cpu() for k, v in outputs.items()})
             return call
         return make
-    if path == "local":
+    if path == "captured":
+        graphs = ops["captured"]._graph_runner()
+        op = ops["captured"] if graphs is not None and graphs.bucket_for(len(df)) else ops["eager"]
+
+        def make():
+            def call():  # op.predict's own choice: the bucket, or eager above the largest
+                if op is ops["eager"]:
+                    with torch.inference_mode():
+                        outputs = op._device_outputs(
+                            {k: v.to(op.device) for k, v in cpu_inputs.items()})
+                    return nbytes({k: v.cpu() for k, v in outputs.items()})
+                return nbytes(graphs(cpu_inputs))
+            return call
+        return make
+    if path == "compiled":
+        return compiled_calls(ops, cpu_inputs)
+    if path.startswith("local"):
         table = TensorTable(dataframe_arrays(df, inputs_dtypes))
-        ensemble = ensembles["full"]
+        ensemble = ensembles[ENSEMBLE_OF[path]]
 
         def make():
             def call():
@@ -234,9 +289,9 @@ def path_calls(path, df, inputs_dtypes, tensors, ensembles, server, device):
             return call
         return make
 
-    name = {"triton-full": "full", "triton-top": "top", BATCHED: "batched"}[path]
+    name = ENSEMBLE_OF[path]
     return triton_calls(name, ensembles[name].output_schema.column_names, df, inputs_dtypes,
-                        server, batch_dimension=path == BATCHED)
+                        server, batch_dimension=name.startswith("batched"))
 
 
 def triton_calls(name, outputs, df, inputs_dtypes, server, *, batch_dimension=False):
@@ -263,54 +318,113 @@ def triton_calls(name, outputs, df, inputs_dtypes, server, *, batch_dimension=Fa
     return make
 
 
-def execute_counts(client, name):
-    """(requests, execute calls) that Triton has counted for model ``name`` so far."""
-    stats = client.get_inference_statistics(name, as_json=True)["model_stats"][0]
-    return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
+def compiled_calls(ops, cpu_inputs):
+    """``torch.compile(mode="reduce-overhead")`` of the operator's forward + top-k."""
+    import torch
+
+    op = ops["eager"]
+    device = op.device
+    if "compiled" not in ops:
+        ops["compiled"] = torch.compile(op._device_outputs, mode="reduce-overhead",
+                                        dynamic=False)
+    compiled = ops["compiled"]
+
+    def run_once():
+        with torch.inference_mode(), torch.device(device):
+            outputs = compiled({k: v.to(device) for k, v in cpu_inputs.items()})
+            return {k: v.cpu() for k, v in outputs.items()}
+
+    t0 = time.perf_counter()
+    got = run_once()
+    with torch.inference_mode():
+        want = op._device_outputs({k: v.to(device) for k, v in cpu_inputs.items()})
+    same = all(torch.allclose(got[k].float(), want[k].cpu().float(), rtol=1e-5, atol=1e-5)
+               for k in ("item_id_scores",) if k in got)
+    print(f"compiled: batch {len(next(iter(cpu_inputs.values())))}, first call (compile) "
+          f"{time.perf_counter() - t0:.1f} s, top-k scores equal eager: {same}", flush=True)
+
+    def make():
+        def call():
+            return sum(v.element_size() * v.nelement() for v in run_once().values())
+        return call
+    return make
 
 
-def concurrent_batch1(df, dtypes, tensors, ensembles, server, device, args):
-    """Batch-1 requests from each of ``--batch1-concurrency`` clients, per path.
+def gpu_times(op, example_inputs, repeats=50):
+    """Per captured bucket: ms of GPU time per forward + top-k, from back-to-back replays.
 
-    The ``triton-batched`` cells also carry ``requests_per_execute``: how many requests
-    Triton's dynamic batcher put in one ``execute`` call, from the server's statistics.
+    ``example_inputs`` maps bucket -> inputs of exactly that many rows.
     """
-    makers = {path: path_calls(path, df, dtypes, tensors, ensembles, server, device)
-              for path in CONCURRENT_PATHS}
-    stats = server.client()
+    import torch
+
+    graphs = op._graph_runner()
+    times = {}
+    for bucket in example_inputs:
+        captured = graphs.captured[bucket]
+        for name, value in example_inputs[bucket].items():
+            captured.inputs[name].copy_(value)
+        captured.graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            captured.graph.replay()
+        end.record()
+        end.synchronize()
+        times[bucket] = start.elapsed_time(end) / repeats
+    return times
+
+
+def bucket_table(ops, rng, args):
+    """Per bucket: GPU time of forward + top-k, captured and eager p50 in process, ratios."""
+    import t4r_factories as factories
+
+    graphs = ops["captured"]._graph_runner()
+    if graphs is None or not graphs.covered:
+        return []
     rows = []
-    for concurrency in [int(c) for c in args.batch1_concurrency.split(",")]:
-        # Enough requests that every client sends 25 per round (a few per client would time
-        # little but the clients' start), and at least 2 s per cell; still bounded by both.
-        budget = argparse.Namespace(**{
-            **vars(args), "requests": max(args.requests, 25 * concurrency * args.rounds),
-            "seconds": max(args.seconds, 2.0)})
-        before = execute_counts(stats, "batched")
-        cells = measure_cell(makers, 1, concurrency, budget)
-        requests, executions = np.subtract(execute_counts(stats, "batched"), before)
-        cells[BATCHED]["requests_per_execute"] = requests / max(1, executions)
-        for path, cell in cells.items():
-            cell.update(path=path, batch=1, concurrency=concurrency,
-                        vs_floor=cell["p50_ms"] / cells["eager"]["p50_ms"])
-            rows.append(cell)
-            print(format_row(cell), flush=True)
+    for bucket in graphs.covered:
+        df = factories.random_sessions(bucket, rng, max_len=args.seq_len, items=args.items,
+                                       categories=100)
+        cpu_inputs = factories.reference_inputs(df, args.seq_len)
+        gpu = gpu_times(ops["captured"], {bucket: cpu_inputs})
+        makers = {p: path_calls(p, df, None, cpu_inputs, ops, {}, None)
+                  for p in ("eager", "captured")}
+        cells = measure_cell(makers, bucket, 1, args)
+        rows.append({"bucket": bucket, "gpu_ms": gpu[bucket],
+                     "captured_ms": cells["captured"]["p50_ms"],
+                     "eager_ms": cells["eager"]["p50_ms"]})
+        print(format_bucket_row(rows[-1]), flush=True)
     return rows
 
 
-def batching_gains(rows):
-    """Markdown table: rows/s of batching across requests over Triton today, batch 1."""
-    cells = {(r["path"], r["concurrency"]): r for r in rows if r["batch"] == 1}
-    lines = ["| batch-1 clients | Triton today rows/s | batched rows/s | gain | "
-             "requests per execute |", "|---:|---:|---:|---:|---:|"]
-    for (path, concurrency), batched in sorted(cells.items(), key=lambda kv: kv[0][1]):
-        today = cells.get(("triton-top", concurrency))
-        if path != BATCHED or today is None or "requests_per_execute" not in batched:
-            continue
-        lines.append(f"| {concurrency} | {today['rows_per_s']:,.0f} | "
-                     f"{batched['rows_per_s']:,.0f} | "
-                     f"{batched['rows_per_s'] / today['rows_per_s']:.2f}x | "
-                     f"{batched['requests_per_execute']:.1f} |")
-    return "\n".join(lines)
+def triton_stats(client, name):
+    """Triton's cumulative inference statistics of one model (counts and nanoseconds)."""
+    stats = client.get_inference_statistics(model_name=name, as_json=True)["model_stats"][0]
+    inference = stats.get("inference_stats", {})
+    # Requests (failed ones too) and execute calls: their ratio is the batch Triton formed.
+    out = {"requests": int(stats.get("inference_count", 0) or 0),
+           "executions": int(stats.get("execution_count", 0) or 0)}
+    for key in ("success", "queue", "compute_input", "compute_infer", "compute_output"):
+        out[key + "_ns"] = int(inference.get(key, {}).get("ns", 0) or 0)
+        out[key + "_n"] = int(inference.get(key, {}).get("count", 0) or 0)
+    return out
+
+
+def stats_row(before, after, path, batch, cell):
+    """Mean ms per request of each server stage between two snapshots, and the client's."""
+    n = max(1, after["success_n"] - before["success_n"])
+
+    def ms(key):
+        return (after[key + "_ns"] - before[key + "_ns"]) / n / 1e6
+
+    server = ms("success")
+    executions = max(1, after["executions"] - before["executions"])
+    return {"path": path, "batch": batch, "client_p50_ms": cell["p50_ms"],
+            "requests_per_execute": (after["requests"] - before["requests"]) / executions,
+            "client_mean_ms": cell["mean_ms"], "server_ms": server,
+            "queue_ms": ms("queue"), "input_ms": ms("compute_input"),
+            "infer_ms": ms("compute_infer"), "output_ms": ms("compute_output"),
+            "outside_ms": cell["mean_ms"] - server}
 
 
 def run(args):
@@ -319,43 +433,123 @@ def run(args):
     import t4r_factories as factories
 
     from merlin_t4r_ops.serving import triton_server
-    from merlin_t4r_ops.serving.client import _input_dtypes
+    from merlin_t4r_ops.serving.client import _input_specs, model_metadata
     from merlin_t4r_ops.serving.triton_env import stub_threads
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.set_num_threads(args.threads or stub_threads())
     model = build_model(args, device)
+    ops = in_process_ops(model, args)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
     rng = np.random.default_rng(0)
-    rows = []
+    result = {"rows": [], "buckets": [], "stats": [],
+              "graphs": (ops["captured"]._graphs.summary() if ops["captured"]._graphs
+                         else "no CUDA graphs (CPU)")}
+    print(result["graphs"], flush=True)
+    if device.type == "cuda" and "captured" in args.paths and args.bucket_table:
+        print(BUCKET_HEADER, flush=True)
+        result["buckets"] = bucket_table(ops, rng, args)
+    print(HEADER, flush=True)
+    triton_paths = [p for p in args.paths if p.startswith("triton")]
     with tempfile.TemporaryDirectory(prefix="serving-bench-") as repo:
         ensembles = export_repository(model, args, device, repo)
-        with triton_server(repo, timeout=600) as server:
-            dtypes = _input_dtypes(server.client(), "full")
+        serve = triton_server(repo, timeout=600) if ensembles else contextlib.nullcontext()
+        with serve as server:
+            stats_client = server.client() if server else None
+            dtypes = (_input_specs(model_metadata(stats_client, "top" if "top" in ensembles
+                                                  else next(iter(ensembles))))[0]
+                      if server else None)
             for batch in batches:
                 df = factories.random_sessions(batch, rng, max_len=args.seq_len,
                                                items=args.items, categories=100)
-                tensors = {k: v.to(device) for k, v in
-                           factories.reference_inputs(df, args.seq_len).items()}
-                makers = {path: path_calls(path, df, dtypes, tensors, ensembles, server, device)
-                          for path in PATHS}
+                cpu_inputs = factories.reference_inputs(df, args.seq_len)
+                makers = {path: path_calls(path, df, dtypes, cpu_inputs, ops, ensembles, server)
+                          for path in args.paths}
+                for path in triton_paths:  # cold first requests stay out of the statistics
+                    call = makers[path]()
+                    for _ in range(3):
+                        call()
                 for concurrency in levels:
-                    cells = measure_cell(makers, batch, concurrency, args)
-                    floor = cells["eager"]["p50_ms"]
-                    for path, cell in cells.items():
-                        cell.update(path=path, batch=batch, concurrency=concurrency,
-                                    vs_floor=cell["p50_ms"] / floor)
-                        rows.append(cell)
-                        print(format_row(cell), flush=True)
-                if batch == 1:
-                    rows += concurrent_batch1(df, dtypes, tensors, ensembles, server, device,
-                                              args)
-    return rows, device
+                    record_cell(makers, batch, concurrency, args, stats_client, result)
+                if batch == 1:  # then from many clients at once
+                    concurrent = {p: m for p, m in makers.items() if p in CONCURRENT_PATHS}
+                    for concurrency in [int(c) for c in args.batch1_concurrency.split(",")]:
+                        record_cell(concurrent, 1, concurrency, batch1_budget(args, concurrency),
+                                    stats_client, result)
+    return result, device
+
+
+def batch1_budget(args, concurrency):
+    """``args`` for a cell of batch-1 requests from ``concurrency`` clients.
+
+    Every client sends up to 25 requests per round (with the grid's budget, a few per client
+    would time little but the clients' start), and the cell gets at least 2 s.
+    """
+    return argparse.Namespace(**{
+        **vars(args), "requests": max(args.requests, 25 * concurrency * args.rounds),
+        "seconds": max(args.seconds, 2.0)})
+
+
+def record_cell(makers, batch, concurrency, args, stats_client, result):
+    """Measure one (batch, concurrency) cell of ``makers``; add its rows and Triton stats."""
+    triton_paths = [p for p in makers if p.startswith("triton")]
+    before = {p: triton_stats(stats_client, ENSEMBLE_OF[p]) for p in triton_paths}
+    cells = measure_cell(makers, batch, concurrency, args)
+    floor = cells["eager"]["p50_ms"] if "eager" in cells else float("nan")
+    for path, cell in cells.items():
+        cell.update(path=path, batch=batch, concurrency=concurrency,
+                    vs_floor=cell["p50_ms"] / floor)
+        result["rows"].append(cell)
+        print(format_row(cell), flush=True)
+    for path in triton_paths:
+        after = triton_stats(stats_client, ENSEMBLE_OF[path])
+        result["stats"].append(dict(stats_row(before[path], after, path, batch, cells[path]),
+                                    concurrency=concurrency))
+
+
+def batching_gains(result):
+    """Markdown table: batch-1 rows/s of each batching path over Triton today, per clients."""
+    rows = {(r["path"], r["concurrency"]): r for r in result["rows"] if r["batch"] == 1}
+    per_execute = {(r["path"], r["concurrency"]): r["requests_per_execute"]
+                   for r in result["stats"] if r["batch"] == 1}
+    lines = ["| batch-1 clients | path | Triton today rows/s | rows/s | gain | "
+             "requests per execute |", "|---:|---|---:|---:|---:|---:|"]
+    for (path, concurrency), row in sorted(rows.items(), key=lambda kv: kv[0][1]):
+        today = rows.get(("triton", concurrency))
+        if not path.startswith(BATCHED) or today is None:
+            continue
+        lines.append(f"| {concurrency} | {path} | {today['rows_per_s']:,.0f} | "
+                     f"{row['rows_per_s']:,.0f} | {row['rows_per_s'] / today['rows_per_s']:.2f}x"
+                     f" | {per_execute.get((path, concurrency), float('nan')):.1f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 HEADER = ("| path | batch | conc | p50 ms | p99 ms | rows/s | response bytes | p50 / floor |\n"
           "|---|---:|---:|---:|---:|---:|---:|---:|")
+
+
+BUCKET_HEADER = ("| bucket | GPU ms (fwd + top-k) | captured p50 ms | captured / GPU | "
+                 "eager p50 ms | eager / captured |\n|---:|---:|---:|---:|---:|---:|")
+STATS_HEADER = ("| path | batch | conc | client p50 ms | client mean ms | server mean ms | queue "
+                "| compute input | compute infer | compute output | client + gRPC (means) "
+                "| requests per execute |\n"
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def format_bucket_row(r):
+    """One row of the per-bucket table."""
+    return (f"| {r['bucket']} | {r['gpu_ms']:.3f} | {r['captured_ms']:.3f} | "
+            f"{r['captured_ms'] / r['gpu_ms']:.2f}x | {r['eager_ms']:.3f} | "
+            f"{r['eager_ms'] / r['captured_ms']:.1f}x |")
+
+
+def format_stats_row(r):
+    """One row of the Triton statistics table (mean ms per request)."""
+    return (f"| {r['path']} | {r['batch']} | {r['concurrency']} | {r['client_p50_ms']:.2f} | "
+            f"{r['client_mean_ms']:.2f} | {r['server_ms']:.2f} | {r['queue_ms']:.2f} | "
+            f"{r['input_ms']:.2f} | {r['infer_ms']:.2f} | {r['output_ms']:.2f} | "
+            f"{r['outside_ms']:.2f} | {r['requests_per_execute']:.1f} |")
 
 
 def format_row(r):
@@ -382,28 +576,36 @@ def machine(device):
 
 
 def main(argv=None):
-    """Run the benchmark; print the table and write it under ``--output-dir``."""
+    """Run the benchmark; print the tables and write them under ``--output-dir``."""
     import torch
 
     args = parse_args(argv)
-    print(HEADER, flush=True)
-    rows, device = run(args)
+    result, device = run(args)
     settings = (f"{args.model}, d_model {args.d_model}, {args.n_layer} layers, sequence "
                 f"length {args.seq_len}, {args.items:,} items, top-{args.top_k}, device "
                 f"{device}, instances {args.instances or 'as exported'}, torch threads "
-                f"{torch.get_num_threads()}, {args.rounds} rounds")
-    settings += f", triton-batched max_queue_delay_us {args.batch_delay_us}"
-    table = "\n".join([HEADER] + [format_row(r) for r in rows])
-    gains = batching_gains(rows)
-    print(f"\nBatching across requests, measured in the same run:\n{gains}")
-    print(f"\nMachine: {machine(device)}\nSettings: {settings}\n")
+                f"{torch.get_num_threads()}, {args.rounds} rounds, buckets {list(args.buckets)}, "
+                f"batched max_queue_delay_us {args.batch_delay_us}")
+    tables = ["\n".join([HEADER] + [format_row(r) for r in result["rows"]])]
+    if result["buckets"]:
+        tables.insert(0, "\n".join([BUCKET_HEADER]
+                                   + [format_bucket_row(r) for r in result["buckets"]]))
+    if result["stats"]:
+        tables.append("\n".join([STATS_HEADER]
+                                 + [format_stats_row(r) for r in result["stats"]]))
+    gains = batching_gains(result)
+    if gains:
+        tables.append("Batching across requests, measured in the same run:\n\n" + gains)
+    text = (f"Machine: {machine(device)}\n\nSettings: {settings}\n\n{result['graphs']}\n\n"
+            + "\n\n".join(tables) + "\n")
+    print("\n" + text)
     if args.output_dir:
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "serving.md").write_text(
-            f"Machine: {machine(device)}\n\nSettings: {settings}\n\n{table}\n\n{gains}\n")
+        (out / "serving.md").write_text(text)
         (out / "serving.json").write_text(json.dumps(
-            {"machine": machine(device), "settings": vars(args), "rows": rows}, indent=2))
+            {"machine": machine(device), "settings": {**vars(args), "buckets": list(args.buckets)},
+             **result}, indent=2))
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ Usage::
 
 Notes
 -----
-``--batch-size`` is per rank: DDP with N GPUs steps on N x batch examples, so
-its final loss after the same number of epochs is not directly comparable
-(N times fewer steps). samples/s leaves out the first epoch (warm-up) when
-``--epochs`` > 1.
+``--batch-size`` is per device: DDP and DataParallel with N GPUs step on
+N x batch examples, so their final loss after the same number of epochs is not
+directly comparable with one device's (N times fewer steps). samples/s leaves
+out the first epoch (warm-up) when ``--epochs`` > 1.
 """
 
 import argparse
@@ -60,7 +60,6 @@ def parse_args(argv=None):
 def run_fit(args, task, strategy, data_dir):
     """One fit() call; returns the result row (meaningful on the main process)."""
     import t4r_training_factories as factories
-    import torch
 
     from merlin_t4r_ops.training import fit, resolve_strategy
 
@@ -80,9 +79,7 @@ def run_fit(args, task, strategy, data_dir):
     timed = history[1:] if len(history) > 1 else history
     samples = sum(h["train_samples"] for h in timed)
     seconds = sum(h["train_seconds"] for h in timed)
-    devices = (
-        torch.cuda.device_count() if state.strategy == "dp" else state.world_size
-    )
+    devices = state.world_size * state.n_devices  # GPUs under dp, processes under ddp
     return {
         "task": task,
         "strategy": state.strategy,
@@ -138,7 +135,7 @@ def main(argv=None):
     data_dir = args.data or tempfile.mkdtemp(prefix="t4r-bench-")
     if not os.path.isdir(os.path.join(data_dir, "train")):
         nproc_hint = args.nproc or max(n_gpus, 2)
-        # Enough files that every DDP rank gets whole ones.
+        # Several files, as a dataset usually comes; shards are balanced by rows anyway.
         factories.write_sessions(
             os.path.join(data_dir, "train"), args.rows, seed=0, n_files=2 * nproc_hint, n_items=args.items
         )
@@ -162,7 +159,7 @@ def main(argv=None):
     print()
     print(
         f"d_model={args.d_model} n_layer={args.n_layer} rows={args.rows} items={args.items} "
-        f"batch/rank={args.batch_size} epochs={args.epochs} amp={args.amp} "
+        f"batch/device={args.batch_size} epochs={args.epochs} amp={args.amp} "
         f"({n_gpus} GPU(s){', CPU fallback' if not gpu else ''})"
     )
     print()

@@ -11,6 +11,7 @@ __all__ = [
     "SchemaMismatchError",
     "StrategyError",
     "ServerStartError",
+    "ExposedServerWarning",
 ]
 
 
@@ -40,3 +41,7 @@ class StrategyError(T4ROpsError, RuntimeError):
 
 class ServerStartError(T4ROpsError, RuntimeError):
     """``tritonserver`` did not become ready; the message carries the server's log."""
+
+
+class ExposedServerWarning(UserWarning):
+    """A server is about to listen beyond loopback with a Triton that has known advisories."""

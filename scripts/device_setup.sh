@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # Set up the Merlin 23.x / Transformers4Rec stack on the GPU machine from the wheels in .whl/.
 #
-#   source scripts/device_setup.sh        # from the repository root; safe to source again
+#   scripts/device_wheels.sh              # HERE, once: builds .whl/a .whl/b .whl/c (DEVELOPERS.md)
+#   source scripts/device_setup.sh        # THERE, from the repository root; safe to source again
 #
 # The wheels travel in several folders (.whl/a, .whl/b, ...), one folder per device call,
 # because one call carries at most 64 MiB. Until every folder named in T4R_WHEEL_DIRS is
@@ -18,7 +19,11 @@
 # first on sys.path and so shadow the machine's newer ones; torch, cupy, numba, grpcio, ...
 # still come from the machine. It also exports DASK_DATAFRAME__CONVERT_STRING=False (see below).
 #
-# Knobs: T4R_WHEEL_DIRS (default "a b c d"), T4R_VENV (default /tmp/t4r-venv),
+# transformers 4.30.2 refuses, at import, the machine's tokenizers 0.23 (it pins <0.14, which
+# has no cp312 wheel): after the install, scripts/device-wheels/relax_tokenizers_pin.py drops
+# that upper bound from the installed copy's dependency table and prints the diff in the log.
+#
+# Knobs: T4R_WHEEL_DIRS (default "a b c", what device_wheels.sh prints), T4R_VENV (default /tmp/t4r-venv),
 # T4R_BASE_PYTHON (default: the python3 on PATH when the venv is first made),
 # T4R_SKIP_SMOKE=1 to skip the smoke test.
 
@@ -29,7 +34,7 @@ _t4r_setup() {
     return 2
   fi
   local venv="${T4R_VENV:-/tmp/t4r-venv}"
-  local dirs="${T4R_WHEEL_DIRS:-a b c d e}"
+  local dirs="${T4R_WHEEL_DIRS:-a b c}"
 
   # The machine's interpreter: remembered in the venv, since after the first source python3
   # on PATH is the venv's own.
@@ -103,6 +108,8 @@ EOF
     fi
     echo "$stamp_new" > "$stamp_file"
   fi
+  # The one reviewed change to an installed package (see the header); idempotent.
+  "$base" "$root/scripts/device-wheels/relax_tokenizers_pin.py" "$site" || return 1
 
   export VIRTUAL_ENV="$venv"
   case ":$PATH:" in *":$venv/bin:"*) ;; *) export PATH="$venv/bin:$PATH" ;; esac
@@ -113,10 +120,10 @@ EOF
   export DASK_DATAFRAME__CONVERT_STRING="${DASK_DATAFRAME__CONVERT_STRING:-False}"
   # Measured on the H200 (Python 3.12.3), each needed for the imports to succeed:
   # - dask before 2024.4.1 fails to import on Python 3.12.3 ("descriptor '__call__' for
-  #   'type' objects doesn't apply to a 'property' object"), so .whl/d carries dask and
+  #   'type' objects doesn't apply to a 'property' object"), so download.txt pins dask and
   #   distributed 2024.4.2, kept on the legacy (non dask-expr) DataFrame that Merlin 23.8 knows;
   # - transformers 4.30 imports the machine's jax (built for numpy 2) and peft (which wants
-  #   transformers 5): USE_* keeps transformers to torch, and .whl/e carries peft 0.4.0.
+  #   transformers 5): USE_* keeps transformers to torch, and download.txt pins peft 0.4.0.
   export DASK_DATAFRAME__QUERY_PLANNING="${DASK_DATAFRAME__QUERY_PLANNING:-False}"
   export USE_TF=0 USE_FLAX=0 USE_JAX=0 USE_TORCH=1
   hash -r

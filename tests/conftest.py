@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import t4r_factories as factories  # noqa: E402
+import workflow_factories  # noqa: E402
 
 # What torchrun exports; with any of them set, strategy "auto" would pick DDP.
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -30,6 +31,9 @@ SERVED = {
     "next_item_topk": lambda: factories.next_item_model("gpt2", seed=2),
     "next_item_masked": lambda: factories.next_item_model("bert", seed=3),
     "binary": lambda: factories.binary_model(seed=4),
+    # Session-level scalar features (a device, an age) beside the lists.
+    "session_scalar": lambda: factories.next_item_model(
+        "gpt2", schema=workflow_factories.scalar_schema(), seed=8),
 }
 TOP_K = 10
 MASKED_TOP_K = 100  # wide enough that an untrained model ranks reserved ids inside it
@@ -67,9 +71,10 @@ def model_repository(tmp_path_factory, served_models, session_workflow):
     path = tmp_path_factory.mktemp("model_repository")
     for name, model in served_models.items():
         op = PredictT4RPyTorch(model, top_k=TOP_K if name == "next_item_topk" else None)
-        Ensemble(model.input_schema.column_names >> op, model.input_schema).export(
-            str(path), name=name
-        )
+        answer, inputs = model.input_schema.column_names >> op, model.input_schema
+        if name == "session_scalar":  # and a request id that travels beside the answer
+            answer, inputs = workflow_factories.with_request_id(answer, inputs)
+        Ensemble(answer, inputs).export(str(path), name=name)
     workflow, workflow_model, _ = session_workflow
     factories.workflow_ensemble(workflow, workflow_model, top_k=TOP_K).export(
         str(path), name="session_topk"

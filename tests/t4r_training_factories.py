@@ -98,9 +98,10 @@ def dataset(path):
 
 
 def build_model(task="binary", d_model=16, n_layer=1, masking=None, schema=None, seed=0):
-    """A tiny XLNet T4R model for ``task`` in {"binary", "regression", "next-item"}.
+    """A tiny XLNet T4R model for ``task`` in {"binary", "regression", "next-item", "multi"}.
 
-    Causal masking and dropout 0, so the forward pass is deterministic.
+    Causal masking and dropout 0, so the forward pass is deterministic. ``"multi"`` has the
+    three tasks on one head, like T4R's ``test_trainer_with_multiple_tasks``.
     """
     import torch
 
@@ -125,6 +126,18 @@ def build_model(task="binary", d_model=16, n_layer=1, masking=None, schema=None,
         head_task = tr.RegressionTask("rating", summary_type="mean")
     elif task == "next-item":
         head_task = tr.NextItemPredictionTask(weight_tying=True)
+    elif task == "multi":
+        head_task = [
+            tr.NextItemPredictionTask(weight_tying=True),
+            tr.BinaryClassificationTask("click", summary_type="mean"),
+            tr.RegressionTask("rating", summary_type="mean"),
+        ]
     else:
-        raise ValueError(f"task must be 'binary', 'regression' or 'next-item', got {task!r}")
+        raise ValueError(
+            f"task must be 'binary', 'regression', 'next-item' or 'multi', got {task!r}"
+        )
+    if isinstance(head_task, list):
+        # to_torch_model(inputs, *tasks) fails in T4R 23.12 ("multiple values for task_blocks").
+        body = tr.SequentialBlock(inputs, tr.TransformerBlock(config, masking=inputs.masking))
+        return tr.Head(body, head_task).to_model(max_sequence_length=MAX_LEN)
     return config.to_torch_model(inputs, head_task, max_sequence_length=MAX_LEN)

@@ -191,3 +191,24 @@ def test_stock_export_is_unchanged_by_the_runtimes(ensemble, tmp_path):
 def test_runtime_arguments_are_checked(kwargs, message):
     with pytest.raises(T4ROpsError, match=message):
         BatchingTritonRuntime(**kwargs)
+
+
+def test_a_graph_that_groups_rows_is_not_batched(tmp_path):
+    """Groupby builds sessions from event rows: batched, two requests' rows would mix."""
+    import nvtabular as nvt
+    import pandas as pd
+    from merlin.io import Dataset
+    from merlin.systems.dag.ops.workflow import TransformWorkflow
+
+    events = pd.DataFrame({"session_id": [1, 1, 2], "item_id": [5, 6, 7],
+                           "timestamp": [1, 2, 3]})
+    sessions = ["session_id", "item_id", "timestamp"] >> nvt.ops.Groupby(
+        groupby_cols=["session_id"], sort_cols=["timestamp"], aggs={"item_id": ["list"]})
+    workflow = nvt.Workflow(sessions)
+    workflow.fit(Dataset(events))
+    ensemble = Ensemble(workflow.input_schema.column_names >> TransformWorkflow(workflow),
+                        workflow.input_schema)
+    with pytest.raises(T4ROpsError, match=r"this ensemble's \['Groupby'\] combine or drop rows"):
+        ensemble.export(str(tmp_path), runtime=BatchingTritonRuntime())
+    assert not (tmp_path / "executor_model").exists()
+    ensemble.export(str(tmp_path), runtime=TritonRuntime())  # one request per execute: fine

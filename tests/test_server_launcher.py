@@ -1,11 +1,17 @@
 """The launcher binds loopback, picks free ports, and leaves no process behind."""
 
+import contextlib
 import ipaddress
+import json
 import os
+import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -69,6 +75,10 @@ def test_tritonserver_on_path_works_with_merlins_own_launcher(small_repository):
     model, path = small_repository
     assert os.path.dirname(shutil.which("tritonserver")) == os.path.dirname(sys.executable)
     with run_triton_server(str(path), grpc_port=free_port()) as client:
+        (server,) = [p for p in psutil.Process().children(recursive=True)
+                     if p.name() == "tritonserver"]
+        # Merlin asks for gRPC on "localhost" and says nothing of HTTP and metrics.
+        assert _listening_addresses(server.pid) <= {"127.0.0.1", "::1"}
         df = factories.random_sessions(3, np.random.default_rng(1))
         got = infer_dataframe(client, df)["click/binary_classification_task"]
         np.testing.assert_allclose(got, factories.eager_scores(model, df).reshape(-1),
@@ -99,3 +109,86 @@ def test_cli_serves_in_the_foreground_until_interrupted(small_repository):
         os.killpg(process.pid, 2)
         process.wait(60)
     assert process.returncode == 0
+
+
+def _alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _port_is_free(port):
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_server_and_stubs_die_with_a_launcher_killed_by_sigkill(small_repository):
+    """SIGKILL leaves the launcher no chance to clean up: the kernel must end the server."""
+    _, path = small_repository
+    script = Path(__file__).parent / "serving_scripts" / "launch_and_wait.py"
+    launcher = subprocess.Popen([sys.executable, str(script), str(path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = launcher.stdout.readline()
+        assert line, f"the launcher printed nothing; its stderr:\n{launcher.stderr.read()[-3000:]}"
+        started = json.loads(line)
+        assert started["stubs"], "the Python backend should run the ensemble in a stub process"
+        assert _alive(started["server"]), "the server died with the thread that started it"
+    finally:
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(30)
+    pids = [started["server"], *started["stubs"]]
+    killed = time.monotonic()
+    deadline = killed + 10
+    while time.monotonic() < deadline and (
+            any(map(_alive, pids)) or not all(map(_port_is_free, started["ports"]))):
+        time.sleep(0.2)
+    try:
+        assert [pid for pid in pids if _alive(pid)] == [], "outlived its launcher"
+        assert all(map(_port_is_free, started["ports"]))
+        print(f"\nserver and {len(started['stubs'])} stub(s) gone, ports free, "
+              f"{time.monotonic() - killed:.1f} s after SIGKILL of the launcher")
+    finally:  # never leave them behind, whatever the outcome
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+
+
+def test_a_failed_start_leads_with_the_failing_model_and_file(tmp_path):
+    model = factories.binary_model(seed=32)
+    Ensemble(model.input_schema.column_names >> PredictT4RPyTorch(model),
+             model.input_schema).export(str(tmp_path))
+    weights = next(tmp_path.glob("executor_model/1/ensemble/t4r_model_*/weights.pt"))
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ServerStartError) as caught:
+        with triton_server(tmp_path, timeout=180):
+            pass
+    lines = str(caught.value).splitlines()
+    assert re.fullmatch(
+        r"model 'executor_model' \(version 1\) failed to load: .*ArtifactError: "
+        + re.escape(str(weights)) + r" has SHA-256 [0-9a-f]{64}, the manifest expects "
+        r"[0-9a-f]{64}: the file was changed after export", lines[0]), lines[0]
+    assert any(re.fullmatch(r"tritonserver exited with code 1 before it was ready\. "
+                            r"Its full log \(.*\):", line) for line in lines[1:12])
+
+
+def test_a_start_that_fails_outside_the_models_leads_with_tritons_error():
+    from merlin_t4r_ops.serving.triton_log import failure_causes
+
+    log = (  # the end of a log whose gRPC port was taken, abridged
+        'E1203 13:14:24.021256 8439 server.cc:241] "CudaDriverHelper has not been initialized."\n'
+        'I1203 13:14:38.771211 8439 model_lifecycle.cc:839] "successfully loaded \'m\'"\n'
+        "E1203 13:14:38.772684706    8439 chttp2_server.cc:1060]  UNKNOWN:No address added\n"
+        'E1203 13:14:38.778314 8439 main.cc:245] "failed to start GRPC service: Unavailable - '
+        "Socket '127.0.0.1:39153' already in use \"\n"
+    )
+    assert failure_causes(log) == [
+        "failed to start GRPC service: Unavailable - Socket '127.0.0.1:39153' already in use"]
+    assert failure_causes("I1203 1:2:3.4 5 a.cc:1] \"fine\"\n") == []

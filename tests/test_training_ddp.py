@@ -2,13 +2,16 @@
 
 Checks what DDP promises and what ``fit`` adds on top: identical weights on all
 ranks, equality with single-process training on the same global batches,
-disjoint shards that cover the dataset, exact eval metrics equal on every rank,
-and no hang when shards have unequal sizes.
+disjoint shards that cover the dataset and are balanced by rows, exact eval
+metrics equal on every rank, and resuming from rank 0's checkpoint when each
+rank has its own disk. A run that hangs is killed and fails its test.
 """
 
 import collections
 import json
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -25,7 +28,8 @@ CPU = torch.device("cpu")
 
 def torchrun(out, *script_args, nproc=2, timeout=240):
     """Run the DDP script under torchrun with a free port; return per-rank (json, weights)."""
-    os.makedirs(out, exist_ok=True)
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
     env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU even where a GPU exists
@@ -33,14 +37,25 @@ def torchrun(out, *script_args, nproc=2, timeout=240):
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={nproc}", SCRIPT, "--out", str(out), *map(str, script_args),
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    # Logs go to files, not pipes: a hung worker would hold a pipe open.
+    with open(out / "stdout.log", "w") as stdout, open(out / "stderr.log", "w") as stderr:
+        proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # torchrun stops its workers on SIGTERM (they run in sessions of their own).
+            proc.terminate()
+            proc.wait(timeout=60)
+            pytest.fail(f"torchrun hung for {timeout} s and was stopped:\n"
+                        f"{(out / 'stderr.log').read_text()[-6000:]}")
+    stdout, stderr = (out / "stdout.log").read_text(), (out / "stderr.log").read_text()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
     ranks = []
     for r in range(nproc):
         with open(os.path.join(out, f"rank{r}.json")) as fh:
             info = json.load(fh)
         ranks.append((info, torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True)))
-    return ranks, proc.stdout
+    return ranks, stdout
 
 
 def lockstep_reference(task, train, epochs, batch_size, world=2):
@@ -134,7 +149,8 @@ def test_ddp_shards_are_disjoint_and_cover_the_dataset(data):
         data["root"] / "out-shards", "--task", "binary", "--train", data["uneven"], "--epochs", 0,
     )
     shards = [collections.Counter(tuple(s) for s in info["shard"]) for info, _ in ranks]
-    assert shards[0] and shards[1]
+    # Files of 80 and 28 rows: balanced by rows, not by files.
+    assert [sum(s.values()) for s in shards] == [54, 54]
     assert not (set(shards[0]) & set(shards[1]))
     assert shards[0] + shards[1] == rows(data["uneven"])
 
@@ -149,12 +165,13 @@ def uneven_run(data):
     return ranks, ckpt
 
 
-def test_ddp_unequal_shards_do_not_hang_and_checkpoint_once(uneven_run):
+def test_ddp_uneven_files_train_without_repeats_and_checkpoint_once(uneven_run):
     ranks, ckpt = uneven_run
     (info0, w0), (info1, w1) = ranks
     assert_same_weights(w0, w1)
-    # 80 vs 28 rows: the short shard repeats its batches (16, 12, 16, 12, 16) to 5 steps.
-    assert info0["history"][-1]["train_samples"] == 80 + (16 + 12) * 2 + 16
+    # Files of 80 and 28 rows: 54 rows per rank, none repeated. By files (f663f0b) the
+    # 28-row shard repeated its batches (16, 12, 16, 12, 16) to 5 steps: 152 samples.
+    assert info0["history"][-1]["train_samples"] == 108
     saved = load_checkpoint(ckpt)
     assert saved["epoch"] == 2 and saved["world_size"] == 2 and len(saved["rng"]) == 2
     assert_same_weights(saved["model"], w0)
@@ -174,3 +191,27 @@ def test_ddp_resume_matches_uninterrupted_ddp_run(data, uneven_run):
     assert_same_weights(w0, w1)
     assert_same_weights(w0, full, rtol=1e-5, atol=1e-6)
     assert [h["epoch"] for h in info0["history"]] == [1, 2]
+
+
+def test_ddp_resume_with_node_local_disks_follows_rank_0(data, uneven_run):
+    """Each rank its own checkpoint directory; only rank 0's holds last.pt (epoch 2).
+
+    f663f0b: rank 0 resumed at epoch 3, rank 1 started over at epoch 1, and the run hung.
+    """
+    uninterrupted, ckpt = uneven_run
+    local = data["root"] / "node-local"
+    for rank in (0, 1):
+        (local / str(rank)).mkdir(parents=True)
+    shutil.copy(ckpt / "last.pt", local / "0" / "last.pt")
+    ranks, _ = torchrun(
+        data["root"] / "out-node-local", "--task", "binary", "--train", data["uneven"],
+        "--batch-size", 16, "--shuffle", "--checkpoint-dir", local / "{rank}", "--epochs", 3,
+        "--resume", "--model-seed", 9, timeout=120,
+    )
+    (info0, w0), (info1, w1) = ranks
+    assert_same_weights(w0, w1)
+    assert [h["epoch"] for h in info0["history"]] == [1, 2, 3]
+    assert [h["epoch"] for h in info1["history"]] == [1, 2, 3]
+    # Rank 1 took epochs 1-2 from rank 0's file.
+    assert info1["history"][:2] == uninterrupted[0][0]["history"]
+    assert load_checkpoint(local / "0")["epoch"] == 3 and os.listdir(local / "1") == []

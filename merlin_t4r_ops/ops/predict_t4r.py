@@ -3,7 +3,7 @@
 import copy
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 import torch
@@ -14,6 +14,8 @@ from merlin.table import TensorTable
 from merlin_t4r_ops.errors import SchemaMismatchError, T4ROpsError
 from merlin_t4r_ops.ops.artifacts import load_model, save_model
 from merlin_t4r_ops.ops.collisions import calling_node, refuse_colliding_outputs
+from merlin_t4r_ops.ops.cuda_graphs import (
+    DEFAULT_BUCKETS, CudaGraphBuckets, check_buckets, example_request, log_load)
 from merlin_t4r_ops.ops.device import make_current, resolve_device
 from merlin_t4r_ops.ops.export_folders import new_folder_name, replacing_earlier_exports
 from merlin_t4r_ops.ops.inputs import input_specs, to_model_inputs
@@ -27,6 +29,7 @@ __all__ = ["PredictT4RPyTorch"]
 
 TOP_K_IDS = "item_ids"
 TOP_K_SCORES = "item_id_scores"
+_SCORES = "__scores__"  # the captured output when seen ids are masked after the graph
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -98,6 +101,11 @@ class PredictT4RPyTorch(BaseOperator):
     device : str or torch.device, optional
         Where the model runs. Default: the device of the Triton model instance (a GPU
         instance gets its own GPU), else the CPU.
+    cuda_graph_buckets : sequence of int, optional
+        On CUDA, the batch sizes whose forward (with masking and top-k) is captured as CUDA
+        graphs at load; a request is padded up to the next bucket and replayed, larger ones
+        run eagerly (see :mod:`merlin_t4r_ops.ops.cuda_graphs`). Default 1, 2, 4, ..., 256;
+        ``None`` or ``()`` runs every request eagerly. Ignored on the CPU.
 
     Notes
     -----
@@ -124,6 +132,7 @@ class PredictT4RPyTorch(BaseOperator):
         output_prefix: str = "",
         max_sequence_length: Optional[int] = None,
         device=None,
+        cuda_graph_buckets: Optional[Sequence[int]] = DEFAULT_BUCKETS,
     ):
         super().__init__()
         model = _unwrap(model)
@@ -151,6 +160,7 @@ class PredictT4RPyTorch(BaseOperator):
         self._specs = input_specs(self._input_schema)
         self._artifact_dir = new_folder_name()
         self._lock = threading.Lock()
+        self.cuda_graph_buckets = check_buckets(cuda_graph_buckets)
 
     # -- graph contract ------------------------------------------------------------------
     def _is_next_item(self) -> bool:
@@ -274,11 +284,13 @@ class PredictT4RPyTorch(BaseOperator):
         # ensemble.pkl holds no model and no tensor: not the weights (the eval cache holds
         # the model too), and not a request's data that a cache of this op may keep.
         kept_out = (torch.nn.Module, torch.Tensor, np.ndarray)
-        return {
+        state = {
             name: None if holds_any(value, kept_out) else value
             for name, value in self.__dict__.items()
             if name != "_lock"  # locks do not pickle; each copy gets its own
         }
+        state.pop("_graphs", None)  # CUDA graphs: captured again at load
+        return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -305,6 +317,7 @@ class PredictT4RPyTorch(BaseOperator):
         device = resolve_device(self.requested_device)
         make_current(device)  # before anything touches CUDA, or GPU 0 gets a context too
         self.model = load_model(Path(artifact_path) / self._artifact_dir, device)
+        self._capture_graphs()
 
     # -- inference -----------------------------------------------------------------------
     @property
@@ -329,39 +342,96 @@ class PredictT4RPyTorch(BaseOperator):
 
     def predict(self, table: TensorTable) -> dict:
         """Scores for the sessions in ``table`` as numpy arrays, keyed by output column."""
-        device = self.device
-        inputs = to_model_inputs(table, self._specs, self.max_sequence_length, device)
-        seen = seen_items(table, self._item_id_column(), device) if self.exclude_seen else None
+        inputs = to_model_inputs(
+            table, self._specs, self.max_sequence_length, torch.device("cpu"))
+        seen = (seen_items(table, self._item_id_column(), self.device)
+                if self.exclude_seen else None)
         # T4R keeps per-call tensors on its modules (the item sequence, the masking
-        # schema): a second thread inside forward() would score with the first's.
+        # schema), and a CUDA graph replays from static buffers: one call at a time.
         with self._lock, torch.inference_mode():
-            self._ensure_eval()
-            scores = self.model(inputs, training=False, testing=False)
-            if isinstance(scores, dict):
-                scores = [scores[name] for name in self._task_names]
-            else:
-                scores = [scores]
-            if self.top_k is not None:
-                return self._top_k_outputs(scores[0], seen)
+            outputs = self._run(inputs, seen)
+        return {name: value.cpu().numpy() for name, value in outputs.items()}
+
+    def _run(self, inputs: Dict[str, torch.Tensor], seen) -> Dict[str, torch.Tensor]:
+        """Replay the captured graph of the request's bucket, or run eagerly."""
+        graphs = self._graph_runner()
+        if graphs is not None and graphs.bucket_for(len(next(iter(inputs.values())))):
+            outputs = graphs(inputs)
+            if self.exclude_seen:  # the graph stops at the scores; seen ids vary per request
+                return self._top_k_outputs(outputs[_SCORES], seen)
+            return outputs
+        self._ensure_eval()
+        device = self.device
+        return self._device_outputs({k: v.to(device) for k, v in inputs.items()}, seen)
+
+    def _scores(self, inputs: Dict[str, torch.Tensor]):
+        """The model's forward: one score tensor per task, in ``_task_names`` order."""
+        scores = self.model(inputs, training=False, testing=False)
+        if isinstance(scores, dict):
+            return [scores[name] for name in self._task_names]
+        return [scores]
+
+    def _device_outputs(self, inputs: Dict[str, torch.Tensor], seen=None):
+        """Forward and, with ``top_k``, masking and top-k, all on the model's device.
+
+        With ``seen=None`` everything in here is what a CUDA graph captures: no host
+        synchronisation.
+        """
+        scores = self._scores(inputs)
+        if self.top_k is not None:
+            return self._top_k_outputs(scores[0], seen)
         outputs = {}
         for name, value in zip(self._output_schema.column_names, scores):
             value = value.float()
             if len(self._output_schema[name].shape.dims) == 1:
                 value = value.reshape(-1)
-            outputs[name] = value.cpu().numpy()
+            outputs[name] = value
         return outputs
 
-    def _top_k_outputs(self, scores: torch.Tensor, seen) -> dict:
+    def _top_k_outputs(self, scores: torch.Tensor, seen) -> Dict[str, torch.Tensor]:
         """Mask reserved (and seen) ids on the scores' device, then take the top-k."""
-        reserved = torch.tensor(self.reserved_item_ids, dtype=torch.int64, device=scores.device)
-        masked = mask_scores(scores.float(), reserved, seen)
+        masked = mask_scores(scores.float(), self._reserved_on(scores.device), seen)
         ids, values = top_k_unmasked(masked, self.top_k)
         ids_name, scores_name = self._output_schema.column_names
-        return {
-            ids_name: ids.cpu().numpy().astype(
-                self._output_schema[ids_name].dtype.to_numpy, copy=False),
-            scores_name: values.cpu().numpy(),
-        }
+        id_dtype = torch.from_numpy(np.zeros(0, self._output_schema[ids_name].dtype.to_numpy))
+        return {ids_name: ids.to(id_dtype.dtype), scores_name: values}
+
+    def _reserved_on(self, device: torch.device) -> torch.Tensor:
+        """The reserved ids as a tensor on ``device``, made once (a graph cannot copy them in)."""
+        cache = self.__dict__.get("_reserved_cache") or {}
+        if device not in cache:
+            cache[device] = torch.tensor(self.reserved_item_ids, dtype=torch.int64, device=device)
+            self._reserved_cache = cache
+        return cache[device]
+
+    # -- CUDA graphs ---------------------------------------------------------------------
+    def _capture_graphs(self) -> None:
+        """Capture ``_device_outputs`` per batch bucket on CUDA, and log what runs how."""
+        self._graphs = None
+        buckets = getattr(self, "cuda_graph_buckets", ())
+        device = self.device
+        if not buckets or device.type != "cuda":
+            if buckets:
+                log_load(f"PredictT4RPyTorch: model on {device}, no CUDA graphs; every batch "
+                         "runs eagerly")
+            return
+        self._ensure_eval()
+        example = example_request(self._specs, self.max_sequence_length)
+        self._graphs = CudaGraphBuckets(self._graph_function(), example, buckets, device)
+        log_load(f"PredictT4RPyTorch: {self._graphs.summary()}", warning=bool(self._graphs.failed))
+
+    def _graph_runner(self) -> Optional[CudaGraphBuckets]:
+        """The captured graphs; captured on first use in process, or again after a move."""
+        graphs = self.__dict__.get("_graphs", False)
+        if graphs is False or (graphs is not None and graphs.device != self.device):
+            self._capture_graphs()
+        return self._graphs
+
+    def _graph_function(self):
+        """What the graphs capture: everything, or only the scores when seen ids are masked."""
+        if not self.exclude_seen:
+            return self._device_outputs
+        return lambda inputs: {_SCORES: self._scores(inputs)[0].float()}
 
     def transform(self, col_selector: ColumnSelector, transformable):
         """Run the model on a TensorTable or DataFrame; returns the same kind of object."""

@@ -15,6 +15,7 @@ from merlin.systems.dag.runtimes.triton import TritonExecutorRuntime
 
 from merlin_t4r_ops.errors import T4ROpsError
 from merlin_t4r_ops.runtime.instances import instance_group
+from merlin_t4r_ops.runtime.rowwise import cross_row_ops
 
 __all__ = ["TritonRuntime", "BatchingTritonRuntime"]
 
@@ -88,6 +89,13 @@ class BatchingTritonRuntime(TritonRuntime):
     instances, instance_kind, gpus
         As for :class:`TritonRuntime`.
 
+    Raises
+    ------
+    T4ROpsError
+        At export, when the graph holds an operator that answers a row from other rows
+        (NVTabular's ``Groupby``, ``Filter``, ``Dropna``, ``DifferenceLag``): batched, it
+        would mix requests. Export such an ensemble with :class:`TritonRuntime`.
+
     Examples
     --------
     >>> ensemble.export("model_repository",
@@ -105,6 +113,17 @@ class BatchingTritonRuntime(TritonRuntime):
         self.max_batch_size = max_batch_size
         self.max_queue_delay_us = max_queue_delay_us
         self.preferred_batch_sizes = list(preferred_batch_sizes or ())
+
+    def export(self, ensemble, path, version=1, name=None):
+        """Merlin's export, for a graph that answers each row from that row alone."""
+        crossing = cross_row_ops(ensemble)
+        if crossing:
+            raise T4ROpsError(
+                f"BatchingTritonRuntime runs the rows of several requests as one table, but "
+                f"this ensemble's {crossing} combine or drop rows, which would mix requests; "
+                "export it with TritonRuntime (or ensemble.export(path)) instead"
+            )
+        return super().export(ensemble, path, version=version, name=name)
 
     def adapt_config(self, config) -> None:
         """Batch dimension, ragged batching on every input, and the dynamic batcher."""

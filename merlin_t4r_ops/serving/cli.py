@@ -2,20 +2,29 @@
 
 ``tritonserver`` on PATH lets Merlin's own ``merlin.systems.triton.utils.run_triton_server``
 find the server that the ``nvidia-pytriton`` wheel ships, with the environment it needs.
+Both bind 127.0.0.1 unless told otherwise, and warn loudly when told otherwise
+(:mod:`merlin_t4r_ops.serving.binding` says why).
 """
 
 import argparse
 import os
 import sys
+from typing import List, Mapping, Optional, Sequence
 
-from merlin_t4r_ops.serving.server import LOOPBACK, free_port, server_command
+from merlin_t4r_ops.serving.binding import LOOPBACK, warn_if_exposed
+from merlin_t4r_ops.serving.server import free_port, server_command
 from merlin_t4r_ops.serving.triton_env import (
     backend_directory,
     server_environment,
     tritonserver_executable,
 )
 
-__all__ = ["serve_main", "tritonserver_main"]
+__all__ = ["serve_main", "tritonserver_main", "shim_command", "HOST_VARIABLE"]
+
+# Merlin's run_triton_server writes the command line itself: the environment is the only
+# way to open the shim up from there.
+HOST_VARIABLE = "MERLIN_T4R_TRITON_HOST"
+ADDRESS_FLAGS = ("--http-address", "--grpc-address", "--metrics-address")
 
 
 def serve_main(argv=None) -> None:
@@ -28,26 +37,65 @@ def serve_main(argv=None) -> None:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--host", default=LOOPBACK,
-                        help="address to bind (default %(default)s; 0.0.0.0 exposes it)")
+                        help="address to bind (default %(default)s; anything else warns, "
+                             "see the README's security section)")
     args, extra = parser.parse_known_args(argv)
     if not os.path.isdir(args.model_repository):
         parser.error(f"MODEL_REPOSITORY {args.model_repository!r} is not a directory")
-    command = server_command(
-        args.model_repository, host=args.host,
-        grpc_port=args.grpc_port or free_port(args.host),
-        http_port=args.http_port or free_port(args.host),
-        extra_args=extra,
-    )
-    print(f"merlin-t4r-serve: gRPC on {args.host}:{args.grpc_port}, "
-          f"HTTP on {args.host}:{args.http_port}", flush=True)
+    grpc_port = args.grpc_port or free_port(args.host)
+    http_port = args.http_port or free_port(args.host)
+    command = server_command(args.model_repository, host=args.host, grpc_port=grpc_port,
+                             http_port=http_port, extra_args=extra)
+    print(f"merlin-t4r-serve: gRPC on {args.host}:{grpc_port}, "
+          f"HTTP on {args.host}:{http_port}", flush=True)
     # exec: signals reach the server directly and no wrapper process is left behind.
     os.execve(command[0], command, server_environment())
 
 
-def tritonserver_main(argv=None) -> None:
-    """Run the wheel's ``tritonserver`` with its Python stub set up for this interpreter."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not any(a.startswith("--backend-directory") for a in args):
+def _has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _flag_value(args: Sequence[str], flag: str) -> Optional[str]:
+    """The value of ``--flag=value`` or ``--flag value`` in ``args``, the last one winning."""
+    value = None
+    for index, arg in enumerate(args):
+        if arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+        elif arg == flag and index + 1 < len(args):
+            value = args[index + 1]
+    return value
+
+
+def _pop_host(args: Sequence[str]):
+    """This shim's own ``--host ADDRESS`` (``None`` without it), and the rest of ``args``."""
+    # No abbreviations: tritonserver's --host-policy must pass through untouched.
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--host")
+    known, rest = parser.parse_known_args(args)
+    return known.host, rest
+
+
+def shim_command(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> List[str]:
+    """The command line the ``tritonserver`` shim execs for ``argv``.
+
+    Each endpoint (HTTP, gRPC, metrics) binds what its ``--*-address`` flag asks for;
+    without one, the shim's own ``--host ADDRESS``, else ``$MERLIN_T4R_TRITON_HOST``, else
+    127.0.0.1. Every address that is not loopback warns.
+    """
+    host, args = _pop_host(argv)
+    host = host or environ.get(HOST_VARIABLE) or LOOPBACK
+    for flag in ADDRESS_FLAGS:
+        if not _has_flag(args, flag):
+            args.append(f"{flag}={host}")
+    for address in {_flag_value(args, flag) for flag in ADDRESS_FLAGS}:
+        warn_if_exposed(address)
+    if not _has_flag(args, "--backend-directory"):
         args.append(f"--backend-directory={backend_directory()}")
-    binary = str(tritonserver_executable())
-    os.execve(binary, [binary, *args], server_environment())
+    return [str(tritonserver_executable()), *args]
+
+
+def tritonserver_main(argv=None) -> None:
+    """Run the wheel's ``tritonserver`` with its Python stub set up, bound to loopback."""
+    command = shim_command(sys.argv[1:] if argv is None else argv)
+    os.execve(command[0], command, server_environment())

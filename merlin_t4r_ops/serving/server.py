@@ -16,6 +16,10 @@ from typing import Dict, Iterator, List, Optional
 import psutil
 
 from merlin_t4r_ops.errors import ServerStartError
+from merlin_t4r_ops.serving.binding import LOOPBACK, warn_if_exposed
+from merlin_t4r_ops.serving.client import protocol_module
+from merlin_t4r_ops.serving.lifetime import popen_tied_to_this_process
+from merlin_t4r_ops.serving.triton_log import failure_causes
 from merlin_t4r_ops.serving.triton_env import (
     backend_directory,
     server_environment,
@@ -24,7 +28,6 @@ from merlin_t4r_ops.serving.triton_env import (
 
 __all__ = ["TritonServer", "triton_server", "server_command", "free_port"]
 
-LOOPBACK = "127.0.0.1"
 LOGGER = logging.getLogger(__name__)
 
 
@@ -38,7 +41,11 @@ def free_port(host: str = LOOPBACK) -> int:
 def server_command(
     model_repository, *, host: str, grpc_port: int, http_port: int, extra_args=()
 ) -> List[str]:
-    """The ``tritonserver`` command line for a repository, bound to ``host``."""
+    """The ``tritonserver`` command line for a repository, bound to ``host``.
+
+    Warns (:class:`~merlin_t4r_ops.errors.ExposedServerWarning`) when ``host`` is not loopback.
+    """
+    warn_if_exposed(host)
     return [
         str(tritonserver_executable()),
         f"--model-repository={Path(model_repository).resolve()}",
@@ -69,11 +76,17 @@ class TritonServer:
     _handled_stubs: set = field(default_factory=set, repr=False)
     _stub_models: dict = field(default_factory=dict, repr=False)
 
-    def client(self):
-        """A ``tritonclient.grpc.InferenceServerClient`` connected to this server."""
-        import tritonclient.grpc as grpcclient
+    def client(self, protocol: str = "grpc"):
+        """A ``tritonclient`` client of this server, closed when the server stops.
 
-        client = grpcclient.InferenceServerClient(self.grpc_url)
+        Parameters
+        ----------
+        protocol : {"grpc", "http"}
+            ``tritonclient.grpc`` on ``grpc_url``, or ``tritonclient.http`` on ``http_url``.
+        """
+        module = protocol_module(protocol)
+        url = self.grpc_url if protocol == "grpc" else self.http_url
+        client = module.InferenceServerClient(url)
         self._clients.append(client)
         return client
 
@@ -93,18 +106,22 @@ class TritonServer:
         with grpcclient.InferenceServerClient(self.grpc_url) as probe:
             while time.monotonic() < deadline:
                 if not self.is_alive():
-                    raise ServerStartError(
-                        f"tritonserver exited with code {self.process.returncode} before it was "
-                        f"ready. Its log:\n{self.logs()}"
+                    raise self._start_error(
+                        f"tritonserver exited with code {self.process.returncode} before it "
+                        "was ready"
                     )
                 with contextlib.suppress(InferenceServerException):
                     if probe.is_server_ready():
                         self.remember_stubs()
                         return
                 time.sleep(0.2)
-        raise ServerStartError(
-            f"tritonserver was not ready after {timeout:.0f} s. Its log:\n{self.logs()}"
-        )
+        raise self._start_error(f"tritonserver was not ready after {timeout:.0f} s")
+
+    def _start_error(self, what: str) -> ServerStartError:
+        """The cause first (the failing model and its error, from the log), then the log."""
+        log = self.logs()
+        causes = "".join(f"{cause}\n" for cause in failure_causes(log))
+        return ServerStartError(f"{causes}{what}. Its full log ({self.log_path}):\n{log}")
 
     def remember_stubs(self) -> None:
         """Record which model each live stub serves: a dead stub's command line is gone."""
@@ -180,7 +197,11 @@ def start_server(
     extra_args=(),
     log_path: Optional[Path] = None,
 ) -> TritonServer:
-    """Start ``tritonserver`` in its own process group and return without waiting."""
+    """Start ``tritonserver`` in its own process group and return without waiting.
+
+    The server gets SIGKILL when this process dies, however it dies, and its Python stubs
+    exit when they see their server gone: nothing keeps the ports or the GPU memory.
+    """
     if not Path(model_repository).is_dir():
         raise ServerStartError(f"model_repository {model_repository!r} is not a directory")
     grpc_port = grpc_port or free_port(host)
@@ -194,7 +215,7 @@ def start_server(
         os.close(handle)
         log_path = Path(name)
     with open(log_path, "ab") as log:
-        process = subprocess.Popen(
+        process = popen_tied_to_this_process(
             command,
             env=server_environment(),
             stdout=log,

@@ -10,9 +10,10 @@ one process sees several GPUs), ``torchrun --standalone --nproc_per_node=N
 train.py`` (DDP on one node; gloo on CPU) or, on every node,
 ``torchrun --nnodes=M --nproc_per_node=N --rdzv-backend=c10d
 --rdzv-endpoint=HOST:29500 --rdzv-id=JOB train.py``. DDP is torch.distributed
-itself; there is no home-made process manager. ``batch_size`` is per rank, so
-the global batch is ``world_size * batch_size``: keep the global batch or scale
-the learning rate (see :mod:`merlin_t4r_ops.training.fit` for the full story).
+itself; there is no home-made process manager. ``batch_size`` is per device, as
+in Hugging Face, so the global batch is ``batch_size`` times the number of GPUs
+under DDP and DataParallel alike: keep the global batch or scale the learning
+rate (see :mod:`merlin_t4r_ops.training.fit` for the full story).
 
 The strategy decision is one :class:`DistributedState` made by
 :func:`resolve_strategy` and passed around, never a global.
@@ -28,6 +29,7 @@ from merlin_t4r_ops.training.state import (
     resolve_strategy,
     unwrap_model,
 )
+from merlin_t4r_ops.training.trainer import Trainer
 
 __all__ = [
     "DistributedState",
@@ -41,10 +43,5 @@ __all__ = [
     "MetricAccumulator",
     "save_checkpoint",
     "load_checkpoint",
+    "Trainer",
 ]
-
-# --- trainer exports (helper B adds merlin_t4r_ops.training.trainer here) ---
-from merlin_t4r_ops.training.trainer import Trainer, data_shard  # noqa: E402
-
-__all__ += ["Trainer", "data_shard"]
-# --- end trainer exports ---

@@ -9,8 +9,11 @@ an uninterrupted one.
 
 Only the main process writes, to a temporary file that ``os.replace`` moves
 over ``last.pt``, so a run killed mid-write leaves the previous checkpoint.
+On resume under DDP rank 0 reads it and broadcasts it, so nodes with their own
+local disks resume from the same state.
 """
 
+import io
 import os
 import random
 from typing import Optional
@@ -145,24 +148,43 @@ def save_checkpoint(
     return path
 
 
-def load_checkpoint(checkpoint_dir, map_location="cpu") -> Optional[dict]:
+def load_checkpoint(
+    checkpoint_dir, map_location="cpu", state: Optional[DistributedState] = None
+) -> Optional[dict]:
     """Load ``last.pt`` from ``checkpoint_dir`` with ``weights_only=True``.
+
+    Parameters
+    ----------
+    checkpoint_dir : str or os.PathLike
+    map_location : optional
+        Passed to ``torch.load``.
+    state : DistributedState, optional
+        Under DDP, call on every rank: rank 0 reads its own ``checkpoint_dir``
+        and broadcasts the file's bytes, so every rank resumes from rank 0's
+        checkpoint even when each node has its own disk (where only rank 0's
+        holds the file ``save_checkpoint`` wrote). Otherwise each process reads
+        its own directory.
 
     Returns
     -------
     dict or None
-        None when the directory holds no checkpoint yet.
+        None when rank 0's directory holds no checkpoint yet (on every rank).
 
     Raises
     ------
     CheckpointError
-        The file exists but cannot be read as a checkpoint of this format.
+        The file cannot be read, or not as a checkpoint of this format; under
+        DDP every rank raises, so none waits for the others.
     """
     path = os.path.join(os.fspath(checkpoint_dir), CHECKPOINT_NAME)
-    if not os.path.exists(path):
+    if state is not None and state.is_distributed:
+        data = _broadcast_from_rank0(path, state)
+    else:
+        data = _read(path)
+    if data is None:
         return None
     try:
-        payload = torch.load(path, map_location=map_location, weights_only=True)
+        payload = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same failure to callers
         raise CheckpointError(f"checkpoint {path!r} cannot be loaded: {exc}") from exc
     if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
@@ -171,3 +193,47 @@ def load_checkpoint(checkpoint_dir, map_location="cpu") -> Optional[dict]:
             f"found {payload.get('format') if isinstance(payload, dict) else type(payload).__name__}"
         )
     return payload
+
+
+def _read(path) -> Optional[bytes]:
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, "rb") as stream:
+            return stream.read()
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {path!r} cannot be read: {exc}") from exc
+
+
+_NO_FILE, _UNREADABLE = -1, -2
+
+
+def _broadcast_from_rank0(path, state: DistributedState) -> Optional[bytes]:
+    """Rank 0's checkpoint bytes on every rank, or None on every rank if it has none.
+
+    Bytes in a uint8 tensor, not a pickled object (``broadcast_object_list``), so
+    every rank still loads them through the weights-only unpickler. Rank 0 sends
+    a status instead when it has nothing to send, so the other ranks never wait.
+    """
+    data, error = None, None
+    if state.is_main_process:
+        try:
+            data = _read(path)
+        except CheckpointError as exc:
+            error = exc
+    status = _UNREADABLE if error else (_NO_FILE if data is None else len(data))
+    size = torch.tensor([status], dtype=torch.int64, device=state.device)
+    dist.broadcast(size, src=0)
+    size = int(size.item())
+    if size == _UNREADABLE:
+        raise error or CheckpointError(f"rank 0 cannot read its checkpoint {path!r}; see its log")
+    if size == _NO_FILE:
+        return None
+    if size == 0:
+        return b""  # an empty file: every rank fails to load it alike
+    if state.is_main_process:
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(state.device)
+    else:
+        buffer = torch.empty(size, dtype=torch.uint8, device=state.device)
+    dist.broadcast(buffer, src=0)
+    return data if state.is_main_process else buffer.cpu().numpy().tobytes()

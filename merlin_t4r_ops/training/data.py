@@ -1,10 +1,20 @@
 """Per-rank Merlin dataloaders that feed a T4R model dense, padded batches.
 
-Sharding is by *global* rank (``DistributedState.rank``), so it is the same
-whether the ranks live on one node or several. Merlin's ``Loader`` assigns each
-rank a contiguous block of dataset partitions; we repartition to a multiple of
-the world size first so the blocks are disjoint, cover the whole dataset and
-are close to equal (``fit`` still tolerates unequal shards with DDP's ``join``).
+Each epoch, :class:`ShardedLoader` lays the dataset's partitions out in one
+order (shuffled from ``seed`` and the epoch, so every rank draws the same
+order) and gives rank ``r`` of ``W`` the ``r``-th of ``W`` equal runs of rows
+of that stream. Shards therefore
+
+* are disjoint and cover the dataset every epoch, whatever the partition sizes
+  (a partition that straddles two runs is read by both ranks, each keeping its
+  own rows): balanced by rows, not by partitions;
+* move between ranks and change order every epoch when shuffling, unlike
+  Merlin 23.08's ``Loader``, which fixes its partition list before it shuffles;
+* follow the *global* rank (``DistributedState.rank``), so several nodes need
+  nothing extra.
+
+Merlin's ``Loader`` still reads the parquet partitions and turns them into
+tensors; this module only decides which rows each rank reads, in which order.
 
 List columns are cropped and padded inside the loader, by the rule and to the
 width that the operator serves with (:mod:`merlin_t4r_ops.sequence`): dense
@@ -12,17 +22,21 @@ tensors are what ``DataParallel`` can scatter along the batch dimension
 (Merlin's ragged ``__values``/``__offsets`` pairs cannot be split that way).
 """
 
+import bisect
 import glob
+import itertools
 import os
-from typing import Iterable, Optional, Sequence, Union
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
+from accelerate.utils import send_to_device
 
 from merlin_t4r_ops.sequence import pad_lists_fn, resolve_sequence_length
 from merlin_t4r_ops.training.metrics import prediction_tasks
 from merlin_t4r_ops.training.state import DistributedState, unwrap_model
 
-__all__ = ["ShardedLoader", "make_loader", "model_columns", "to_device"]
+__all__ = ["ShardedLoader", "make_loader", "model_columns", "shard_rows", "to_device"]
 
 DP_NEEDS_WIDTH = (
     "strategy 'dp' needs dense [batch, width] tensors to split along the batch dimension "
@@ -42,11 +56,29 @@ def model_columns(model):
     return inputs, targets
 
 
-def _as_dataset(data):
+def as_dataset(data, schema=None):
+    """A ``merlin.io.Dataset`` over parquet path(s), or ``data`` itself if it is one.
+
+    Parameters
+    ----------
+    data : str, os.PathLike, list of them, or merlin.io.Dataset
+        Files, directories of ``*.parquet`` files, or glob patterns.
+    schema : merlin.schema.Schema or merlin_standard_lib Schema, optional
+        Replaces the schema found next to the files (``schema.pbtxt``), as
+        Transformers4Rec's loaders do with the schema given to its ``Trainer``.
+    """
     from merlin.io import Dataset
 
-    if isinstance(data, Dataset):
-        return data
+    if not isinstance(data, Dataset):
+        data = Dataset(_parquet_files(data), engine="parquet")
+    if schema is not None:
+        from transformers4rec.torch.utils.data_utils import to_core_schema
+
+        data.schema = schema if isinstance(schema, type(data.schema)) else to_core_schema(schema)
+    return data
+
+
+def _parquet_files(data) -> List[str]:
     paths = [data] if isinstance(data, (str, os.PathLike)) else list(data)
     files = []
     for path in map(os.fspath, paths):
@@ -59,8 +91,70 @@ def _as_dataset(data):
             files += sorted(glob.glob(path)) or [path]
         else:
             raise FileNotFoundError(f"data path {path!r} does not exist")
-    # Dataset finds schema.pbtxt next to the files, which carries the T4R tags.
-    return Dataset(files, engine="parquet")
+    return files
+
+
+def _partition_lengths(dataset) -> List[int]:
+    """Rows per partition: from the parquet footers when Merlin has them, else counted once."""
+    try:
+        lengths = list(dataset.partition_lens or [])
+    except AttributeError:  # a Dataset over a dataframe has no file metadata
+        lengths = []
+    if len(lengths) != dataset.npartitions:
+        first = dataset.schema.column_names[:1] or None
+        lengths = dataset.to_ddf(columns=first).map_partitions(len).compute().tolist()
+    return [int(n) for n in lengths]
+
+
+def shard_rows(
+    lengths: Sequence[int], order: Sequence[int], rank: int, world_size: int, equal: bool
+) -> List[Tuple[int, int, int]]:
+    """This rank's rows of the partitions laid out in ``order``, as ``(partition, start, stop)``.
+
+    Rank ``r`` takes positions ``[r * N / W, (r + 1) * N / W)`` of the stream of
+    ``N`` rows. With ``equal``, every rank takes ``ceil(N / W)`` positions and the
+    last ranks wrap around to the start of the stream, repeating at most
+    ``W - 1`` rows in all (what ``torch.utils.data.DistributedSampler`` does),
+    so every rank holds the same number of rows.
+
+    Parameters
+    ----------
+    lengths : sequence of int
+        Rows of each partition, indexed by partition.
+    order : sequence of int
+        Partition indices in the order this epoch reads them.
+    rank, world_size : int
+    equal : bool
+
+    Returns
+    -------
+    list of (int, int, int)
+        Partition index and its row range, in reading order.
+    """
+    ordered = [lengths[p] for p in order]
+    total = sum(ordered)
+    if total == 0:
+        return []
+    if equal:
+        per_rank = -(-total // world_size)
+        begin, end = rank * per_rank, (rank + 1) * per_rank
+    else:
+        begin, end = rank * total // world_size, (rank + 1) * total // world_size
+    ends = list(itertools.accumulate(ordered))
+    pieces = []
+    position = begin
+    while position < end:
+        offset = position % total
+        index = bisect.bisect_right(ends, offset)  # skips empty partitions
+        first_row = ends[index] - ordered[index]
+        take = min(end - position, ends[index] - offset)
+        pieces.append((order[index], offset - first_row, offset - first_row + take))
+        position += take
+    return pieces
+
+
+def _take_rows(frame, rows):
+    return frame.iloc[rows]
 
 
 class ShardedLoader:
@@ -72,7 +166,8 @@ class ShardedLoader:
     state : DistributedState
         ``rank``/``world_size`` pick the shard (global rank, not local).
     batch_size : int
-        Per-rank batch size.
+        Rows per batch that this process loads (:func:`make_loader` turns a
+        per-device batch size into this).
     input_names, target_names : sequence of str
         Columns to load.
     max_sequence_length : int or None
@@ -80,15 +175,23 @@ class ShardedLoader:
         :func:`merlin_t4r_ops.sequence.crop_and_pad` (most recent items kept, as the
         operator serves them); None leaves ragged columns as values/offsets pairs.
     shuffle : bool
-        Shuffle partitions and rows each epoch, from ``seed + epoch`` so every
-        rank draws the same partition order and the shards stay disjoint.
+        Shuffle the partition order, hence the shards, and the rows within each
+        partition, every epoch, from ``(seed, epoch)``: every rank draws the
+        same order, so the shards stay disjoint.
     seed : int
+        Non-negative.
     drop_last : bool
+    equal_shards : bool
+        Give every rank the same number of rows (and batches) by repeating at
+        most ``world_size - 1`` rows per epoch, as ``DistributedSampler`` pads.
+        For training, where every step is a collective; evaluation leaves it
+        off so that no row counts twice.
 
     Notes
     -----
-    Call :meth:`set_epoch` before each epoch when shuffling, as with
-    ``torch.utils.data.DistributedSampler``.
+    Each pass over the loader reads the next epoch, as a shuffling
+    ``torch.utils.data.DataLoader`` would; :meth:`set_epoch` picks the epoch
+    of the next pass, as with ``DistributedSampler``.
     """
 
     def __init__(
@@ -102,12 +205,14 @@ class ShardedLoader:
         shuffle: bool = False,
         seed: int = 0,
         drop_last: bool = False,
+        equal_shards: bool = False,
     ):
-        from merlin.dataloader.torch import Loader
         from merlin.schema import Tags
 
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         names = list(input_names) + [t for t in target_names if t not in input_names]
         missing = [n for n in names if n not in dataset.schema.column_names]
         if missing:
@@ -122,44 +227,80 @@ class ShardedLoader:
         for name in input_names:
             if Tags.TARGET in schema[name].tags:
                 schema[name] = schema[name].without_tags(Tags.TARGET)
-        world = state.world_size
-        if dataset.npartitions % world:
-            # Disjoint blocks of partitions per rank need a multiple of world_size;
-            # splitting every partition into world_size pieces keeps the blocks balanced.
-            dataset = dataset.repartition(npartitions=dataset.npartitions * world)
-        dataset.schema = schema
         self.dataset = dataset
+        self.schema = schema
         self.state = state
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = int(seed)
         self.epoch = 0
+        self.drop_last = drop_last
+        self.equal_shards = equal_shards
         self.max_sequence_length = max_sequence_length
         self.list_columns = [c.name for c in schema if c.is_list]
-        device = state.device.index if state.device.type == "cuda" else "cpu"
-        self._loader = Loader(
-            dataset,
-            batch_size,
-            shuffle=shuffle,
-            seed_fn=lambda: self.seed + self.epoch,
-            global_size=world if world > 1 else None,
-            global_rank=state.rank if world > 1 else None,
-            drop_last=drop_last,
-            device=device,
-        )
+        self.partition_lengths = _partition_lengths(dataset)
 
     def set_epoch(self, epoch: int) -> None:
-        """Reshuffle deterministically for ``epoch`` (same order on every rank)."""
+        """Make the next pass read ``epoch`` (same order on every rank)."""
         self.epoch = int(epoch)
 
+    def shard(self, epoch: int) -> List[Tuple[int, int, int]]:
+        """``(partition, start, stop)`` row ranges this rank reads in ``epoch``, in order."""
+        n = len(self.partition_lengths)
+        order = range(n)
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(n)
+        return shard_rows(
+            self.partition_lengths, list(order), self.state.rank, self.state.world_size,
+            self.equal_shards,
+        )
+
+    @property
+    def num_rows(self) -> int:
+        """Rows this rank reads per epoch (the same every epoch)."""
+        return sum(stop - start for _, start, stop in self.shard(0))
+
     def __len__(self) -> int:
-        return len(self._loader)
+        rows = self.num_rows
+        return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
 
     def __iter__(self):
+        epoch = self.epoch
+        self.epoch += 1
+        return self._batches(epoch)
+
+    def _epoch_loader(self, epoch: int):
+        """Merlin's ``Loader`` over this rank's rows of ``epoch``, or None for an empty shard."""
+        import dask.dataframe as dd
+        from merlin.dataloader.torch import Loader
+        from merlin.io import Dataset
+
+        pieces = self.shard(epoch)
+        if not pieces:
+            return None
+        frame = self.dataset.to_ddf(columns=self.schema.column_names).clear_divisions()
+        parts = []
+        for partition, start, stop in pieces:
+            rows = slice(start, stop)
+            if self.shuffle:
+                seed = [self.seed, epoch, int(partition)]
+                length = self.partition_lengths[partition]
+                rows = np.random.default_rng(seed).permutation(length)[start:stop]
+            parts.append(
+                frame.partitions[int(partition)].map_partitions(_take_rows, rows, meta=frame._meta)
+            )
+        shard = Dataset(dd.concat(parts), schema=self.schema, cpu=self.dataset.cpu)
+        device = self.state.device.index if self.state.device.type == "cuda" else "cpu"
+        return Loader(shard, self.batch_size, drop_last=self.drop_last, device=device)
+
+    def _batches(self, epoch: int):
+        loader = self._epoch_loader(epoch)
+        if loader is None:
+            return
         pad = None
         if self.max_sequence_length:
             pad = pad_lists_fn(self.max_sequence_length, self.list_columns)
-        for x, y in self._loader:
+        for x, y in loader:
             if pad:
                 x, y = pad(x, y)
             yield x, y
@@ -174,6 +315,8 @@ def make_loader(
     shuffle: bool = False,
     seed: int = 0,
     drop_last: bool = False,
+    equal_shards: bool = False,
+    schema=None,
 ) -> Union[ShardedLoader, Iterable]:
     """Turn ``data`` into this rank's batches for ``model``.
 
@@ -188,9 +331,13 @@ def make_loader(
         (:func:`merlin_t4r_ops.sequence.resolve_sequence_length`, required under ``dp``).
     state : DistributedState
     batch_size : int
-        Per-rank batch size.
-    shuffle, seed, drop_last
+        Per device, as in Hugging Face: a DataParallel process loads
+        ``batch_size * state.n_devices`` rows per batch, which DataParallel
+        splits over its GPUs.
+    shuffle, seed, drop_last, equal_shards
         See :class:`ShardedLoader`.
+    schema : optional
+        Replaces the dataset's own schema (see :func:`as_dataset`).
     """
     from merlin.io import Dataset
 
@@ -209,24 +356,19 @@ def make_loader(
         unwrap_model(model), required_for=DP_NEEDS_WIDTH if state.strategy == "dp" else None
     )
     return ShardedLoader(
-        _as_dataset(data),
+        as_dataset(data, schema),
         state,
-        batch_size,
+        batch_size * state.n_devices,
         inputs,
         targets,
         max_sequence_length=width,
         shuffle=shuffle,
         seed=seed,
         drop_last=drop_last,
+        equal_shards=equal_shards,
     )
 
 
 def to_device(batch, device: torch.device):
     """Move a nested structure of tensors (dicts, lists, tuples) to ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
+    return send_to_device(batch, device, non_blocking=True)

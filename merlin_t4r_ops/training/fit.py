@@ -29,32 +29,37 @@ averaged by DDP's all-reduce; evaluation metrics are reduced exactly over the
 whole eval set and are equal on every rank; only the main process (global
 rank 0) prints and writes checkpoints.
 
-Learning rate under DDP
------------------------
-``batch_size`` is per rank, so one optimizer step sees a global batch of
-``world_size * batch_size`` examples, and an epoch has ``world_size`` times
-fewer steps. To keep training comparable to a single-process run with batch
+Batch size and learning rate
+----------------------------
+``batch_size`` is per device, as in Hugging Face's ``per_device_train_batch_size``:
+under DDP each rank loads ``batch_size`` rows; under DataParallel the one
+process loads ``batch_size * n_gpus`` rows and DataParallel splits them over
+its GPUs. Moving a script between ``python train.py`` (DataParallel) and
+``torchrun`` (DDP) on the same GPUs therefore keeps the global batch. One
+optimizer step sees ``n_devices * batch_size`` examples, and an epoch has
+``n_devices`` times fewer steps than on one device. To keep training comparable to a single-process run with batch
 ``B`` either keep the global batch (``batch_size = B // world_size``, same
 ``lr``) or keep the per-rank batch and scale the learning rate linearly,
 ``lr = base_lr * world_size`` (with a warm-up for large worlds; for Adam a
-square-root scaling is often safer). ``fit`` does not rescale ``lr`` for you.
+square-root scaling is often safer). ``fit`` does not rescale ``lr`` for you;
+``world_size`` stands for the number of devices under DataParallel as well.
 """
 
 import contextlib
 import logging
 import math
-import random
 import time
 from typing import Callable, List, Optional, Sequence, Union
 
-import numpy as np
 import torch
 import torch.distributed as dist
+from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from merlin_t4r_ops.errors import StrategyError
 from merlin_t4r_ops.training.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from merlin_t4r_ops.training.data import make_loader, to_device
+from merlin_t4r_ops.training.data_parallel import batch_loss, forward_batch
 from merlin_t4r_ops.training.metrics import MetricAccumulator
 from merlin_t4r_ops.training.state import (
     DistributedState,
@@ -73,12 +78,6 @@ def _state(strategy) -> DistributedState:
     if isinstance(strategy, DistributedState):
         return strategy
     return resolve_strategy(strategy)
-
-
-def _loss(output) -> torch.Tensor:
-    loss = output["loss"]
-    # DataParallel gathers one 0-dim loss per replica into a vector.
-    return loss.mean() if loss.dim() > 0 else loss
 
 
 def _batch_rows(x) -> int:
@@ -115,7 +114,7 @@ def evaluate(
         See :func:`fit`.
     strategy : str or DistributedState
     batch_size : int
-        Per-rank batch size.
+        Per-device batch size (times the GPU count under DataParallel).
     amp : bool
         Autocast the forward pass (CUDA only).
 
@@ -127,9 +126,11 @@ def evaluate(
     """
     state = _state(strategy)
     loader = make_loader(eval_data, model, state, batch_size=batch_size, shuffle=False)
-    unwrap_model(model).to(state.device)
-    if state.strategy == "dp" and unwrap_model(model) is model:
-        model = torch.nn.DataParallel(model)
+    model = unwrap_model(model)
+    if state.strategy == "dp":
+        # Re-wrapped even if the caller's was DataParallel: replicas must return loss sums.
+        model = prepare_model(model, state)
+    model.to(state.device)
     return _evaluate(model, loader, state, amp)
 
 
@@ -145,7 +146,7 @@ def _evaluate(model, loader, state: DistributedState, amp: bool) -> dict:
         for x, y in loader:
             x, y = to_device(x, state.device), to_device(y, state.device)
             with _autocast(amp, state):
-                output = runner(x, targets=y, testing=True)
+                output = forward_batch(runner, x, y, testing=True)
             accumulator.update(output)
     inner.train(was_training)
     return accumulator.compute()
@@ -155,7 +156,7 @@ def _check_args(epochs, batch_size, amp, state, resume, checkpoint_dir, lr_sched
     if not isinstance(epochs, int) or epochs < 0:
         raise ValueError(f"epochs must be a non-negative int, got {epochs!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int (per rank), got {batch_size!r}")
+        raise ValueError(f"batch_size must be a positive int (per device), got {batch_size!r}")
     if amp and state.device.type != "cuda":
         raise StrategyError(
             f"amp=True expects a CUDA device (autocast float16 + GradScaler); this process "
@@ -204,15 +205,18 @@ def fit(
     train_data : str, os.PathLike, list of them, merlin.io.Dataset, or iterable of (x, y)
         Parquet path(s) (with ``schema.pbtxt``) or a Dataset: ``fit`` builds
         per-rank Merlin loaders from the model's input schema and targets,
-        sharded by global rank, with sessions cropped and padded as the
-        operator serves them (:mod:`merlin_t4r_ops.sequence`). Anything else is a
-        ready dataloader used as is (re-iterable; shard it yourself under DDP).
-        Under DDP, shards of unequal size are evened out like
-        ``DistributedSampler`` pads: a rank with fewer batches repeats batches
-        from the start of its shard until it has as many as the largest rank,
-        so all ranks take the same optimizer steps (weights and optimizer
-        states stay identical). Loaders without ``len()`` fall back to DDP's
-        ``join`` context manager, which cannot hang but lets optimizer states drift.
+        with sessions cropped and padded as the operator serves them
+        (:mod:`merlin_t4r_ops.sequence`), sharded by global rank and balanced
+        by rows whatever the partition sizes: every rank gets
+        ``ceil(rows / world_size)`` rows per epoch, at most ``world_size - 1``
+        of them repeated, as ``DistributedSampler`` pads (see
+        :class:`~merlin_t4r_ops.training.data.ShardedLoader`).
+        Anything else is a ready dataloader used as is (re-iterable; shard it
+        yourself under DDP). If such loaders give ranks unequal ``len()``, a
+        rank with fewer batches repeats batches from its start so all ranks
+        take the same optimizer steps (weights and optimizer states stay
+        identical); loaders without ``len()`` fall back to DDP's ``join``
+        context manager, which cannot hang but lets optimizer states drift.
     optimizer : torch.optim.Optimizer, optional
         Over ``model.parameters()``; default ``Adam(lr=lr)``.
     epochs : int
@@ -226,8 +230,11 @@ def fit(
         ``torch.autocast`` float16 + ``GradScaler``; CUDA only, on CPU it
         raises :class:`StrategyError` rather than silently training in fp32.
     batch_size : int
-        Per-rank batch size (global batch = ``world_size * batch_size``; see
-        the module docstring for learning-rate scaling).
+        Per device, as in Hugging Face. Under DDP each rank loads
+        ``batch_size`` rows (global batch ``world_size * batch_size``); under
+        DataParallel the process loads ``batch_size * n_gpus`` rows, which
+        DataParallel splits over the GPUs. See the module docstring for
+        learning-rate scaling.
     eval_batch_size : int, optional
         Defaults to ``batch_size``.
     lr : float
@@ -240,10 +247,13 @@ def fit(
     checkpoint_dir : str or os.PathLike, optional
         Write ``last.pt`` after each epoch (main process, atomically).
     resume : bool
-        Continue from ``checkpoint_dir/last.pt`` when it exists.
+        Continue from ``checkpoint_dir/last.pt`` when it exists. Under DDP rank
+        0 reads its own ``checkpoint_dir`` and broadcasts the checkpoint, so
+        every rank resumes from the same state even when the nodes have
+        separate local disks.
     seed : int, optional
         Seeds torch (``seed + rank``), numpy and random, and the data shuffle
-        (``seed + epoch``, equal on all ranks).
+        (from ``(seed, epoch)``, equal on all ranks).
     shuffle, drop_last : bool
         For loaders that ``fit`` builds.
     find_unused_parameters : bool, optional
@@ -273,9 +283,7 @@ def fit(
             f"{type(model).__name__}; pass unwrap_model(model)"
         )
     if seed is not None:
-        torch.manual_seed(seed + state.rank)
-        np.random.seed(seed + state.rank)
-        random.seed(seed + state.rank)
+        set_seed(seed + state.rank)  # torch, CUDA, numpy and random
     model.to(state.device)
     train_loader = make_loader(
         train_data,
@@ -285,6 +293,7 @@ def fit(
         shuffle=shuffle,
         seed=seed or 0,
         drop_last=drop_last,
+        equal_shards=True,  # every rank takes the same optimizer steps
     )
     eval_loader = None
     if eval_data is not None:
@@ -313,7 +322,7 @@ def fit(
         history: List[dict] = []
         start_epoch = 0
         if resume:
-            ckpt = load_checkpoint(checkpoint_dir, map_location="cpu")
+            ckpt = load_checkpoint(checkpoint_dir, map_location="cpu", state=state)
             if ckpt is not None:
                 start_epoch, history = _restore(ckpt, model, optimizer, lr_scheduler, scaler, state)
             elif state.is_main_process:
@@ -434,7 +443,7 @@ def _train_epoch(
             x, y = to_device(x, state.device), to_device(y, state.device)
             optimizer.zero_grad(set_to_none=True)
             with _autocast(amp, state):
-                loss = _loss(wrapped(x, targets=y, training=True))
+                loss = batch_loss(forward_batch(wrapped, x, y, training=True))
             if scaler is not None:
                 scaler.scale(loss).backward()
                 scaler.unscale_(optimizer)

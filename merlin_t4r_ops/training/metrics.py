@@ -14,6 +14,7 @@ from typing import Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
+from merlin_t4r_ops.training.data_parallel import loss_sum_and_count
 from merlin_t4r_ops.training.state import DistributedState, unwrap_model
 
 __all__ = ["MetricAccumulator", "prediction_tasks"]
@@ -67,12 +68,12 @@ class MetricAccumulator:
     -----
     Names follow T4R's: ``next-item/ndcg_at_10``, ``click/binary_classification_task/binary_precision``,
     ``rating/regression_task/mean_squared_error``, plus ``loss`` (mean over all
-    labels of the eval set, weighted by each batch's label count).
+    targets of the eval set: each batch, and under DataParallel each replica,
+    weighted by its number of targets; see
+    :func:`~merlin_t4r_ops.training.data_parallel.loss_sum_and_count`).
     Ranking metrics reuse each T4R ranking metric's per-example ``_metric``, so
     they match T4R's definitions exactly; binary metrics threshold at 0.5 like
-    torchmetrics. Under DataParallel the model returns one loss per replica; the
-    batch's loss is their mean, so ``loss`` (not the other metrics, which use
-    the gathered predictions) is exact only when replicas get equal chunks.
+    torchmetrics.
     """
 
     def __init__(self, model, state: DistributedState):
@@ -104,13 +105,18 @@ class MetricAccumulator:
         Parameters
         ----------
         output : dict
-            With ``loss``, ``predictions`` and ``labels``; ``predictions`` and
-            ``labels`` are dicts keyed by task name when the model has several
-            tasks. A loss vector (DataParallel gathers one per replica) is
-            averaged.
+            With ``loss`` and ``labels``, or the ``loss_sum`` and ``n_targets``
+            of a :class:`~merlin_t4r_ops.training.data_parallel.ReplicaLoss`
+            (DataParallel); and ``predictions`` and ``labels`` for the other
+            metrics (dicts keyed by task name when the model has several
+            tasks). Without ``predictions`` only the loss is accumulated.
         """
+        loss_sum, n_targets = loss_sum_and_count(output)
+        self._add("loss/sum", loss_sum)
+        self._add("loss/n", n_targets)
+        if output.get("predictions") is None:
+            return
         preds_all, labels_all = output["predictions"], output["labels"]
-        n_labels = 0
         for name, task, kind in self.tasks:
             preds = preds_all[name] if isinstance(preds_all, dict) else preds_all
             labels = labels_all[name] if isinstance(labels_all, dict) else labels_all
@@ -118,7 +124,6 @@ class MetricAccumulator:
                 labels = labels[task.target_name]
             labels = labels.detach()
             preds = task.forward_to_prediction_fn(preds.detach())
-            n_labels = max(n_labels, labels.shape[0])
             if kind == "next-item":
                 self._update_ranking(name, preds, labels)
             elif kind == "binary":
@@ -127,10 +132,6 @@ class MetricAccumulator:
                 err = preds.reshape(-1).to(torch.float64) - labels.reshape(-1).to(torch.float64)
                 self._add(f"{name}/sse", (err * err).sum())
                 self._add(f"{name}/n", torch.tensor(float(err.numel())))
-        loss = output["loss"].detach()
-        loss = loss.mean() if loss.dim() > 0 else loss
-        self._add("loss/sum", loss.to(torch.float64) * n_labels)
-        self._add("loss/n", torch.tensor(float(n_labels)))
 
     def _update_ranking(self, name, preds, labels):
         from transformers4rec.torch.utils.torch_utils import tranform_label_to_onehot

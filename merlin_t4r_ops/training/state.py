@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from merlin_t4r_ops.errors import StrategyError
+from merlin_t4r_ops.training.data_parallel import ReplicaLoss, data_parallel
 
 __all__ = ["DistributedState", "resolve_strategy", "prepare_model", "unwrap_model", "STRATEGIES"]
 
@@ -46,6 +47,10 @@ class DistributedState:
         This process's device.
     reason : str
         One line on why this strategy was chosen.
+    n_devices : int
+        Devices this process computes on: the GPUs ``DataParallel`` splits each
+        batch over under ``"dp"``, else 1. A per-device batch size times this
+        is the batch one process loads.
     """
 
     strategy: str
@@ -54,6 +59,7 @@ class DistributedState:
     world_size: int
     device: torch.device
     reason: str
+    n_devices: int = 1
 
     @property
     def is_main_process(self) -> bool:
@@ -164,7 +170,9 @@ def resolve_strategy(strategy: str = "auto") -> DistributedState:
                 f"found {n_gpus} GPU(s) (torch.cuda.is_available()={torch.cuda.is_available()}); "
                 "use strategy='single' or 'auto'"
             )
-        state = DistributedState("dp", 0, 0, 1, torch.device("cuda:0"), reason + f"; {n_gpus} GPUs")
+        state = DistributedState(
+            "dp", 0, 0, 1, torch.device("cuda:0"), reason + f"; {n_gpus} GPUs", n_devices=n_gpus
+        )
     else:
         state = _resolve_ddp(env_rank, env_world, env_local, launched, pg_ready, n_gpus, reason)
 
@@ -214,7 +222,7 @@ def _resolve_ddp(env_rank, env_world, env_local, launched, pg_ready, n_gpus, rea
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Return the module inside ``DataParallel``/``DistributedDataParallel`` (any depth).
+    """Return the model inside ``DataParallel``/``DistributedDataParallel``/``ReplicaLoss``.
 
     Parameters
     ----------
@@ -225,8 +233,8 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     torch.nn.Module
         ``model`` itself when it is not wrapped.
     """
-    while isinstance(model, _WRAPPERS):
-        model = model.module
+    while isinstance(model, _WRAPPERS + (ReplicaLoss,)):
+        model = model.model if isinstance(model, ReplicaLoss) else model.module
     return model
 
 
@@ -252,7 +260,8 @@ def prepare_model(
     Returns
     -------
     torch.nn.Module
-        ``model`` (single), ``DataParallel(model)`` (dp) or
+        ``model`` (single), ``DataParallel(ReplicaLoss(model))`` (dp, see
+        :mod:`~merlin_t4r_ops.training.data_parallel`) or
         ``DistributedDataParallel(model)`` (ddp).
 
     Raises
@@ -260,7 +269,7 @@ def prepare_model(
     StrategyError
         ``model`` is already wrapped in DataParallel/DistributedDataParallel.
     """
-    if isinstance(model, _WRAPPERS):
+    if unwrap_model(model) is not model:
         raise StrategyError(
             f"prepare_model expects an unwrapped model, got one already wrapped in "
             f"{type(model).__name__}; pass unwrap_model(model) instead"
@@ -271,7 +280,7 @@ def prepare_model(
         )
     model.to(state.device)
     if state.strategy == "dp":
-        return torch.nn.DataParallel(model)
+        return data_parallel(model)
     if state.strategy == "ddp":
         ids = [state.device.index] if state.device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(

@@ -4,8 +4,12 @@
 through Hugging Face, but
 
 * gives the Merlin dataloader the *local* rank as its global rank, so two nodes
-  read the same shards;
+  read the same shards, and Merlin 23.08's loader never reorders partitions or
+  moves them between ranks, and gives ranks as many rows as their partitions
+  happen to hold;
 * evaluates with the unwrapped model, i.e. on one GPU under DataParallel;
+* under DataParallel averages the replicas' mean losses, which is inexact when
+  a batch does not split evenly and NaN when one replica has no target;
 * under DDP gathers losses and labels but not predictions, and does collectives
   per eval batch (a hang or shape error when ranks' batches differ);
 * crops long sessions with ``pad_batch``, which keeps the *oldest* items, where
@@ -17,12 +21,16 @@ through Hugging Face, but
   metrics that rely on torchmetrics' implicit all-gather of every per-example
   row in ``compute()``.
 
-:class:`Trainer` keeps T4R's training path and replaces only the dataloader
-construction, the evaluation loop and the saving/logging guards.
+:class:`Trainer` keeps T4R's training path and its return values; it replaces
+the dataloader construction (the same
+:class:`~merlin_t4r_ops.training.data.ShardedLoader` as ``fit``), the loss under
+DataParallel (:mod:`~merlin_t4r_ops.training.data_parallel`), the evaluation
+loop and the saving/logging guards.
 """
 
+import contextlib
 import logging
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,51 +41,24 @@ from transformers4rec.config.trainer import T4RecTrainingArguments
 from transformers4rec.torch import Trainer as T4RTrainer
 from transformers4rec.torch.model.prediction_task import NextItemPredictionTask
 from transformers4rec.torch.utils.data_utils import MerlinDataLoader, T4RecDataLoader
+from transformers4rec.torch.utils.torch_utils import nested_detach
 
 from merlin_t4r_ops.errors import StrategyError
-from merlin_t4r_ops.sequence import pad_lists_fn, resolve_sequence_length
-from merlin_t4r_ops.training.data import DP_NEEDS_WIDTH
-from merlin_t4r_ops.training.metrics import MetricAccumulator
+from merlin_t4r_ops.sequence import resolve_sequence_length
+from merlin_t4r_ops.training.data import DP_NEEDS_WIDTH, ShardedLoader, as_dataset, model_columns
+from merlin_t4r_ops.training.data_parallel import (
+    batch_loss,
+    data_parallel,
+    forward_batch,
+    loss_sum_and_count,
+)
+from merlin_t4r_ops.training.metrics import MetricAccumulator, prediction_tasks
+from merlin_t4r_ops.training.predictions import check_top_k, gather_to_main, select_top_k, to_cpu
 from merlin_t4r_ops.training.state import DistributedState, resolve_strategy, unwrap_model
 
-__all__ = ["Trainer", "data_shard"]
+__all__ = ["Trainer"]
 
 logger = logging.getLogger(__name__)
-
-
-def data_shard(state: DistributedState) -> Tuple[Optional[int], Optional[int]]:
-    """The ``(global_rank, global_size)`` the Merlin dataloader must shard by.
-
-    Parameters
-    ----------
-    state : DistributedState
-
-    Returns
-    -------
-    tuple of (int or None, int or None)
-        ``(state.rank, state.world_size)`` under DDP: the *global* rank, so
-        processes on different nodes read different partitions (T4R passes
-        ``LOCAL_RANK`` here). ``(None, None)`` otherwise: one process reads all.
-    """
-    if state.is_distributed:
-        return state.rank, state.world_size
-    return None, None
-
-
-class _SharedEpochSeed:
-    """``seed_fn`` for the Merlin loader: the same seed on every rank, new each epoch.
-
-    The loader shuffles the *partition list* before each rank takes its slice;
-    with a per-rank seed (what it does on GPU by default) the slices overlap.
-    """
-
-    def __init__(self, seed: int):
-        self.seed = int(seed)
-        self.calls = 0
-
-    def __call__(self) -> int:
-        self.calls += 1
-        return (self.seed + self.calls) % (2**32)
 
 
 class Trainer(T4RTrainer):
@@ -108,8 +89,16 @@ class Trainer(T4RTrainer):
     -----
     Evaluation metrics (every ranking metric configured on the model's tasks,
     and the loss) are means over all evaluated examples of all ranks; every
-    rank returns the same numbers. Predictions are gathered from all ranks in
-    rank order.
+    rank returns the same numbers. ``evaluate()`` reports ``eval_/loss`` with or
+    without ``compute_metrics``, as T4R does.
+
+    ``predict()`` returns T4R's types, order and shapes (see
+    :mod:`~merlin_t4r_ops.training.predictions`). Intended differences: under
+    DDP only rank 0 receives predictions (all ranks' rows, in rank order; the
+    other ranks get ``None``), because every rank holding every rank's rows
+    multiplies memory by the world size, while T4R returns each rank's own
+    rows; and ``evaluation_loop`` returns no predictions or labels for
+    evaluation, which Hugging Face's ``evaluate()`` discards anyway.
     """
 
     def __init__(
@@ -130,15 +119,12 @@ class Trainer(T4RTrainer):
 
     # ---- data -----------------------------------------------------------------------------
 
-    def _merlin_loader(self, path, batch_size: int, shuffle: bool):
+    def _merlin_loader(self, path, batch_size: int, train: bool) -> ShardedLoader:
         if self.schema is None:
             raise ValueError("schema is required to build a Merlin dataloader; pass schema=...")
         if path is None:
             raise ValueError("a dataset path (or Merlin Dataset) is required; got None")
-        rank, size = data_shard(self.dist_state)
-        device = self.dist_state.device
-        loader_class = T4RecDataLoader.parse(self.args.data_loader_engine)
-        if not issubclass(loader_class, MerlinDataLoader):
+        if not issubclass(T4RecDataLoader.parse(self.args.data_loader_engine), MerlinDataLoader):
             raise ValueError(
                 f"data_loader_engine={self.args.data_loader_engine!r} crops sessions inside "
                 "T4R's dataset, keeping the oldest items; this Trainer supports 'merlin' only"
@@ -147,65 +133,99 @@ class Trainer(T4RTrainer):
             unwrap_model(self.model), requested=self.args.max_sequence_length,
             required_for=DP_NEEDS_WIDTH if self.dist_state.strategy == "dp" else None,
         )
-        loader = loader_class.from_schema(
-            self.schema,
-            path,
+        inputs, targets = model_columns(self.model)
+        return ShardedLoader(
+            as_dataset(path, self.schema),
+            self.dist_state,
             batch_size,
-            max_sequence_length=None,  # T4R's pad_batch keeps the oldest items; see below
+            inputs,
+            targets,
+            max_sequence_length=width,  # cropped and padded as the operator serves
+            shuffle=train,
+            seed=self.args.seed,
             drop_last=self.args.dataloader_drop_last,
-            shuffle=shuffle,
-            shuffle_buffer_size=self.args.shuffle_buffer_size,
-            global_rank=rank,
-            global_size=size,
-            device=device.index if device.type == "cuda" else None,
-            seed_fn=_SharedEpochSeed(self.args.seed) if shuffle else None,
+            # Every optimizer step is a collective: ranks need equal batch counts.
+            equal_shards=train,
         )
-        if width:
-            # The wrapped Merlin Loader maps each batch: the operator's crop and pad.
-            lists = [c.name for c in loader.dataset.output_schema if c.is_list]
-            loader.dataset.map(pad_lists_fn(width, lists))
-            loader.max_sequence_length = width
-        return loader
 
     def get_train_dataloader(self):
-        """Train loader sharded by global rank; user-given loaders are returned as is."""
+        """Train loader: shuffled and balanced by rows every epoch; user-given loaders as is."""
         if self.train_dataloader is not None:
             return self.train_dataloader
         # train_batch_size is per_device_train_batch_size x GPUs under DataParallel (HF's meaning).
-        loader = self._merlin_loader(
-            self.train_dataset_or_path, self.args.train_batch_size, shuffle=True
-        )
-        self._check_equal_steps(loader)
-        return loader
+        return self._merlin_loader(self.train_dataset_or_path, self.args.train_batch_size, True)
 
     def get_eval_dataloader(self, eval_dataset=None):
-        """Eval loader sharded by global rank (ranks may get different batch counts)."""
+        """Eval loader sharded by global rank, every row once (ranks may differ by a batch)."""
         if self.eval_dataloader is not None:
             return self.eval_dataloader
         path = eval_dataset if isinstance(eval_dataset, (str, list)) else self.eval_dataset_or_path
-        return self._merlin_loader(path, self.args.eval_batch_size, shuffle=False)
+        return self._merlin_loader(path, self.args.eval_batch_size, False)
 
     def get_test_dataloader(self, test_dataset=None):
         """Test loader sharded by global rank."""
         if self.test_dataloader is not None:
             return self.test_dataloader
         path = test_dataset if test_dataset is not None else self.test_dataset_or_path
-        return self._merlin_loader(path, self.args.eval_batch_size, shuffle=False)
+        return self._merlin_loader(path, self.args.eval_batch_size, False)
 
-    def _check_equal_steps(self, loader) -> None:
-        # Every optimizer step is a collective: a rank with more batches would wait forever.
-        if not self.dist_state.is_distributed:
-            return
-        steps = [None] * self.dist_state.world_size
-        dist.all_gather_object(steps, len(loader))
-        if len(set(steps)) > 1:
-            raise StrategyError(
-                f"DDP needs the same number of train batches on every rank, found {steps} "
-                "(per rank); write the training data as a number of equal-sized parquet "
-                "partitions divisible by WORLD_SIZE, or set dataloader_drop_last=True"
+    def num_examples(self, dataloader) -> int:
+        """Batches times batch size, as T4R estimates it (for Hugging Face's logs)."""
+        return len(dataloader) * dataloader.batch_size
+
+    # ---- training and evaluation steps ---------------------------------------------------
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        """Hugging Face's wrapping, except DataParallel replicas return exact loss sums."""
+        if self.dist_state.strategy == "dp":
+            return model if isinstance(model, torch.nn.DataParallel) else data_parallel(
+                unwrap_model(model)
             )
+        return super()._wrap_model(model, training=training, dataloader=dataloader)
 
-    # ---- evaluation -----------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False):
+        """T4R's ``compute_loss``, with the batch's exact loss under DataParallel."""
+        features, targets = inputs
+        outputs = forward_batch(model, features, targets, training=True)
+        if "loss" not in outputs:
+            raise ValueError(
+                "The model did not return a loss from the inputs, only the following keys: "
+                f"{','.join(outputs.keys())}"
+            )
+        loss = batch_loss(outputs)
+        return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(
+        self,
+        model,
+        inputs,
+        prediction_loss_only: bool,
+        ignore_keys: Optional[List[str]] = None,
+        training: bool = False,
+        testing: bool = True,
+    ):
+        """T4R's ``prediction_step``, with the batch's exact loss under DataParallel.
+
+        Returns
+        -------
+        tuple
+            ``(loss, predictions, labels, loss_statistics)`` like T4R's, except
+            the last item (always ``None`` in T4R): when ``testing``, a dict
+            with the batch's ``loss_sum`` and ``n_targets``, from which
+            evaluation weights batches by their targets.
+        """
+        features, targets = self._prepare_inputs(inputs)
+        autocast = torch.autocast("cuda") if self._use_cuda_amp else contextlib.nullcontext()
+        with torch.no_grad(), autocast:
+            outputs = forward_batch(model, features, targets, training=training, testing=testing)
+        if not testing:
+            return None, (None if prediction_loss_only else nested_detach(outputs)), None, None
+        loss_sum, n_targets = loss_sum_and_count(outputs)
+        stats = {"loss_sum": loss_sum.detach(), "n_targets": n_targets.detach()}
+        loss = batch_loss(outputs).detach()
+        if prediction_loss_only:
+            return loss, None, None, stats
+        return loss, nested_detach(outputs["predictions"]), nested_detach(outputs["labels"]), stats
 
     def evaluation_loop(
         self,
@@ -215,61 +235,60 @@ class Trainer(T4RTrainer):
         ignore_keys: Optional[List[str]] = None,
         metric_key_prefix: str = "eval",
     ) -> EvalLoopOutput:
-        """Evaluate with the DataParallel-wrapped model and exact, all-rank metrics.
+        """Evaluate (exact metrics over all ranks) or predict (top-k, gathered to rank 0).
 
-        Unlike T4R's loop there is no collective per batch: metric sums and
-        counts are reduced once at the end, and predictions/labels are gathered
-        once, so ranks may hold different numbers of eval batches.
+        ``evaluate()`` always reports ``{prefix}_/loss``, the mean over all
+        targets, and with ``compute_metrics`` every metric of the model's
+        tasks, identical on every rank. Its predictions are not kept: Hugging
+        Face's ``evaluate()`` discards them. ``predict()`` returns what T4R's
+        returns (see :mod:`~merlin_t4r_ops.training.predictions`); under DDP
+        rank 0 receives every rank's rows in rank order and the other ranks
+        get ``predictions=None``. There is no collective per batch, so ranks
+        may hold different numbers of batches.
         """
         if prediction_loss_only is None:
             prediction_loss_only = self.args.prediction_loss_only
         testing = description != "Prediction"
         core = unwrap_model(self.model)
-        # _wrap_model gives DataParallel when args.n_gpu > 1 and the bare model otherwise
-        # (no DDP wrapper needed under no_grad).
         model = self._wrap_model(core, training=False, dataloader=dataloader)
         model.eval()
         self.callback_handler.eval_dataloader = dataloader
 
+        with_metrics = testing and bool(self.compute_metrics)
+        keep_predictions = not testing and not prediction_loss_only
+        next_items = [n for n, t in prediction_tasks(core) if isinstance(t, NextItemPredictionTask)]
+        if keep_predictions and next_items:
+            check_top_k(self.args.predict_top_k, core.top_k)
         acc = MetricAccumulator(core, self.dist_state)
-        top_k = self.args.predict_top_k or getattr(core, "top_k", None)
-        next_item = any(isinstance(t, NextItemPredictionTask) for t in core.prediction_tasks)
-        rank_preds = bool(top_k) and next_item
-
-        preds_all, labels_all, n_examples = [], [], 0
+        predictions, n_rows = [], 0
         max_steps = self.args.eval_steps_on_train_set if metric_key_prefix == "train" else 0
         for step, inputs in enumerate(dataloader):
             if max_steps and step >= max_steps:
                 break
-            n_examples += find_batch_size(inputs) or 0
-            loss, preds, labels, _ = self.prediction_step(
-                model, inputs, prediction_loss_only, ignore_keys=ignore_keys, testing=testing
+            n_rows += find_batch_size(inputs) or 0
+            _, preds, labels, stats = self.prediction_step(
+                model, inputs, not (with_metrics or keep_predictions), ignore_keys, testing=testing
             )
-            if testing and preds is not None:
-                acc.update({"loss": loss, "predictions": preds, "labels": labels})
-            if not prediction_loss_only and preds is not None:
-                if rank_preds and isinstance(preds, torch.Tensor):
-                    scores, ids = torch.topk(preds, k=min(top_k, preds.size(-1)), dim=-1)
-                    preds = (ids, scores)
-                preds_all.append(_to_cpu(preds))
-                if labels is not None:
-                    labels_all.append(_to_cpu(labels))
+            if testing:
+                acc.update({**stats, "predictions": preds, "labels": labels})
+            elif keep_predictions:
+                top_k = select_top_k(preds, next_items, self.args.predict_top_k, core.top_k)
+                predictions.append(to_cpu(top_k))
             self.control = self.callback_handler.on_prediction_step(
                 self.args, self.state, self.control
             )
 
         metrics = {}
-        if testing and not prediction_loss_only:
+        if testing:
             exact = acc.compute()  # a collective under DDP: every rank reaches it
-            keep = exact if self.compute_metrics else {"loss": exact["loss"]}
+            keep = exact if with_metrics else {"loss": exact["loss"]}
             metrics = {f"{metric_key_prefix}_/{k}": v for k, v in keep.items()}
-        # Same condition on every rank: the gathers below are collectives.
-        gather = not prediction_loss_only
         return EvalLoopOutput(
-            predictions=self._gather_concat(preds_all) if gather else None,
-            label_ids=self._gather_concat(labels_all) if gather and testing else None,
+            # Same condition on every rank: the gather is a collective.
+            predictions=gather_to_main(predictions, self.dist_state) if keep_predictions else None,
+            label_ids=None,
             metrics=metrics,
-            num_samples=self._global_sum(n_examples),
+            num_samples=self._global_sum(n_rows),
         )
 
     def _global_sum(self, n: int) -> int:
@@ -278,17 +297,6 @@ class Trainer(T4RTrainer):
         total = torch.tensor([n], dtype=torch.float64, device=self.dist_state.device)
         dist.all_reduce(total)
         return int(total.item())
-
-    def _gather_concat(self, pieces):
-        """Concatenate this rank's batches, then all ranks in rank order (as numpy)."""
-        local = _nested_cat(pieces) if pieces else None
-        if self.dist_state.is_distributed:
-            everyone = [None] * self.dist_state.world_size
-            # Objects, not tensors: ranks may hold different numbers of rows.
-            dist.all_gather_object(everyone, local)
-            everyone = [x for x in everyone if x is not None]
-            local = _nested_cat(everyone) if everyone else None
-        return _nested_numpy(local)
 
     # ---- saving / logging -----------------------------------------------------------------
 
@@ -332,30 +340,3 @@ def _align_args(args: T4RecTrainingArguments, state: DistributedState) -> None:
     elif args.n_gpu > 1:
         # Hugging Face wraps in DataParallel whenever n_gpu > 1.
         args._n_gpu = 1
-
-
-def _to_cpu(x):
-    if isinstance(x, dict):
-        return {k: _to_cpu(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_cpu(v) for v in x)
-    return x.detach().cpu()
-
-
-def _nested_cat(pieces):
-    first = pieces[0]
-    if isinstance(first, dict):
-        return {k: _nested_cat([p[k] for p in pieces]) for k in first}
-    if isinstance(first, (list, tuple)):
-        return type(first)(_nested_cat([p[i] for p in pieces]) for i in range(len(first)))
-    return torch.cat(pieces, dim=0)
-
-
-def _nested_numpy(x):
-    if x is None:
-        return None
-    if isinstance(x, dict):
-        return {k: _nested_numpy(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_nested_numpy(v) for v in x)
-    return x.numpy()

@@ -17,16 +17,12 @@ from typing import Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
+from merlin_t4r_ops.training.data_parallel import batch_loss
 from merlin_t4r_ops.training.state import DistributedState
 
 __all__ = ["probe_unused_parameters", "freeze", "restore_requires_grad"]
 
 logger = logging.getLogger(__name__)
-
-
-def _loss(output):
-    loss = output["loss"] if isinstance(output, dict) else output
-    return loss.mean() if loss.dim() > 0 else loss
 
 
 def probe_unused_parameters(
@@ -65,7 +61,7 @@ def probe_unused_parameters(
     if batch is not None:
         x, y = batch
         model.train()
-        _loss(model(x, targets=y, training=True)).backward()
+        batch_loss(model(x, targets=y, training=True)).backward()
         used = torch.tensor([0.0 if p.grad is None else 1.0 for _, p in named], dtype=torch.float64)
     for (_, p), g in zip(named, saved):
         p.grad = g

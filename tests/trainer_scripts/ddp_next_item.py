@@ -66,7 +66,8 @@ def main():
         "train_shard": train_shard,
         "eval_shard": eval_shard,
         "metrics": {k: v for k, v in metrics.items() if k.startswith("eval_/")},
-        "pred_shapes": [list(p.shape) for p in pred.predictions],
+        # Only rank 0 receives predictions.
+        "pred_shapes": pred.predictions and [list(p.shape) for p in pred.predictions],
         "model_is_users": trainer.model is model,
         "model_type": type(trainer.model).__name__,
         "global_step": trainer.state.global_step,

@@ -26,6 +26,7 @@ def main():
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--shuffle", action="store_true")
+    # "{rank}" in the path gives each rank its own directory, as node-local disks would.
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--model-seed", type=int, default=0)
@@ -43,7 +44,7 @@ def main():
         shuffle=args.shuffle,
         seed=0,
         progress=False,
-        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_dir=args.checkpoint_dir and args.checkpoint_dir.format(rank=state.rank),
         resume=args.resume,
     )
     shard = [
