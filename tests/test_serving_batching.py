@@ -207,3 +207,13 @@ def test_a_request_without_rows_gets_the_operators_answer(client):
                     else np.zeros(0, dtype=a.dtype)) for name, a in arrays.items()}
     with pytest.raises(InferenceServerException, match="the request has 0 rows"):
         client.infer(BATCHED_MODEL, arrays_to_inputs(empty, batch_dimension=True))
+
+
+def test_the_http_client_reaches_the_batched_model(triton, served_models):
+    import tritonclient.http as httpclient
+
+    df = factories.random_sessions(6, np.random.default_rng(31))
+    with httpclient.InferenceServerClient(triton.http_url) as client:
+        got = np.stack(infer_dataframe(client, df, model_name=BATCHED_MODEL)["next-item"])
+    np.testing.assert_allclose(got, factories.eager_scores(served_models["next_item_full"], df),
+                               rtol=RTOL, atol=ATOL)
