@@ -171,7 +171,9 @@ class CudaGraphBuckets:
     def __call__(self, inputs: Tensors) -> Tensors:
         """Pad ``inputs`` (CPU or device tensors of one request) to its bucket, replay, cut.
 
-        Returns the request's rows of every output, on the CPU.
+        Returns copies of the request's rows of every output, on the device: the static
+        outputs are overwritten by the next replay, and a caller may work on them further
+        (the operator masks a request's seen items on the scores) before it copies to the host.
         """
         rows = next(iter(inputs.values())).shape[0]
         bucket = self.bucket_for(rows)
@@ -184,7 +186,7 @@ class CudaGraphBuckets:
             for name, value in inputs.items():
                 captured.inputs[name].copy_(pad_rows(value, bucket), non_blocking=True)
             captured.graph.replay()
-            return {name: value.cpu() for name, value in cut_rows(captured.outputs, rows).items()}
+            return {name: value.clone() for name, value in cut_rows(captured.outputs, rows).items()}
 
     def report(self) -> List[str]:
         """One line per bucket: captured with its memory, or why it runs eagerly."""

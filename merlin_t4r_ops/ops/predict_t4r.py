@@ -2,6 +2,7 @@
 
 import copy
 import threading
+import weakref
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
@@ -38,6 +39,19 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     ):
         model = model.module
     return model
+
+
+# T4R keeps per-call state on the model's modules, so every operator over one model must
+# take the same lock; keyed weakly, so that the lock goes with the model.
+_MODEL_LOCKS: "weakref.WeakKeyDictionary[torch.nn.Module, threading.Lock]" = (
+    weakref.WeakKeyDictionary())
+_MODEL_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model: torch.nn.Module) -> threading.Lock:
+    """The one lock that every operator over ``model`` (unwrapped) calls it under."""
+    with _MODEL_LOCKS_GUARD:
+        return _MODEL_LOCKS.setdefault(model, threading.Lock())
 
 
 def _without_top_k(model: torch.nn.Module) -> torch.nn.Module:
@@ -142,6 +156,7 @@ class PredictT4RPyTorch(BaseOperator):
         if not isinstance(output_prefix, str):
             raise T4ROpsError(f"output_prefix must be a str, got {output_prefix!r}")
         self.model = _without_top_k(model)
+        self._lock = model_lock(model)
         # Copies, so that building the op never changes the caller's schemas.
         self._input_schema = Schema(list(
             (input_schema if input_schema is not None else self.model.input_schema)
@@ -159,7 +174,6 @@ class PredictT4RPyTorch(BaseOperator):
         self.requested_device = None if device is None else str(device)
         self._specs = input_specs(self._input_schema)
         self._artifact_dir = new_folder_name()
-        self._lock = threading.Lock()
         self.cuda_graph_buckets = check_buckets(cuda_graph_buckets)
 
     # -- graph contract ------------------------------------------------------------------
@@ -294,7 +308,7 @@ class PredictT4RPyTorch(BaseOperator):
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the loaded model is this op's own
 
     def save_artifacts(self, artifact_path=None) -> None:
         """Write the model's weights, structure and checksums under ``artifact_path``.
