@@ -9,12 +9,12 @@ item. ``fit``'s loader, the ``Trainer``'s loader and ``PredictT4RPyTorch`` all g
 """
 
 import logging
-import numbers
 from typing import Callable, Iterable, Mapping, Optional
 
 import numpy as np
 import torch
 
+from merlin_t4r_ops.arguments import is_positive_int
 from merlin_t4r_ops.errors import SessionLengthError, T4ROpsError
 
 __all__ = [
@@ -120,10 +120,7 @@ def resolve_sequence_length(
         ``requested`` is not a positive int, or ``required_for`` is given and no width is
         known; the message names every place looked at.
     """
-    if requested is not None and (
-        isinstance(requested, bool) or not isinstance(requested, numbers.Integral)
-        or requested < 1
-    ):
+    if requested is not None and not is_positive_int(requested):
         raise T4ROpsError(f"max_sequence_length must be a positive int, got {requested!r}")
     schema = _core_schema(model.input_schema if schema is None else schema)
     found = {

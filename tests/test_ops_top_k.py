@@ -4,6 +4,7 @@ Every answer is compared with a reference built the slow, obvious way in the tes
 eager model at its own width, reserved and seen ids set to -inf one by one, ``torch.topk``.
 """
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +107,25 @@ def test_top_k_up_to_the_unreserved_catalogue_is_accepted(model):
     out = _served(op, factories.random_sessions(2, np.random.default_rng(4)))
     assert out["item_ids"].shape == (2, factories.ITEMS - 1)
     assert 0 not in out["item_ids"]
+
+
+# -- review of issue 10, finding 7: one check of integer knobs ---------------------------------
+@pytest.mark.parametrize("top_k", [True, 0, 2.0, "3"])
+def test_top_k_that_is_not_a_count_is_refused(model, top_k):
+    """Before: top_k=True was taken as 1."""
+    with pytest.raises(T4ROpsError, match=rf"top_k must be a positive int or None, "
+                                          rf"got {re.escape(repr(top_k))}"):
+        PredictT4RPyTorch(model, top_k=top_k)
+
+
+def test_numpy_integers_are_counts(model):
+    """Before: np.int64(5), as a config or a DataFrame gives it, was refused."""
+    op = PredictT4RPyTorch(model, top_k=np.int64(5), max_sequence_length=np.int32(factories.SEQ_LEN),
+                           cuda_graph_buckets=[np.int64(8), 1])
+    assert (type(op.top_k), op.top_k, op.max_sequence_length) == (int, 5, factories.SEQ_LEN)
+    assert op.cuda_graph_buckets == (1, 8) and type(op.cuda_graph_buckets[1]) is int
+    out = _served(op, factories.random_sessions(2, np.random.default_rng(6)))
+    assert out["item_ids"].shape == (2, 5)
 
 
 # -- issue 11: reserved ids, read from the schema ----------------------------------------------

@@ -12,6 +12,7 @@ import torch
 from merlin.dag import BaseOperator, ColumnSelector
 from merlin.schema import ColumnSchema, Schema, Tags
 from merlin.table import TensorTable
+from merlin_t4r_ops.arguments import is_positive_int
 from merlin_t4r_ops.errors import SchemaMismatchError, T4ROpsError
 from merlin_t4r_ops.ops.artifacts import load_model, save_model
 from merlin_t4r_ops.ops.collisions import calling_node, refuse_colliding_outputs
@@ -151,8 +152,9 @@ class PredictT4RPyTorch(BaseOperator):
         super().__init__()
         model = _unwrap(model)
         top_k = top_k if top_k is not None else getattr(model, "top_k", None)
-        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        if top_k is not None and not is_positive_int(top_k):
             raise T4ROpsError(f"top_k must be a positive int or None, got {top_k!r}")
+        top_k = None if top_k is None else int(top_k)
         if not isinstance(output_prefix, str):
             raise T4ROpsError(f"output_prefix must be a str, got {output_prefix!r}")
         self.model = _without_top_k(model)
