@@ -60,7 +60,10 @@ def test_model_top_k_is_adopted(model):
     op = PredictT4RPyTorch(model)
     schema = op.compute_output_schema(None, None)
     assert schema.column_names == ["item_ids", "item_id_scores"]
-    assert schema["item_ids"].dtype.to_numpy == np.int32
+    # Adopted from T4R, answered as T4R does: int64, as model(batch) and its output_schema.
+    # (Review finding 5; before: int32, but int64 when model.output_schema was passed.)
+    assert schema["item_ids"].dtype.to_numpy == np.int64
+    assert model.output_schema["item_ids"].dtype.to_numpy == np.int64
     assert [d.max for d in schema["item_ids"].shape.dims] == [None, 5]
     df = factories.random_sessions(9, np.random.default_rng(1))
     out = _served(op, df)
@@ -70,7 +73,19 @@ def test_model_top_k_is_adopted(model):
     # The caller's model keeps T4R's behaviour: model(batch) is still its own top-k.
     assert model.top_k == 5
     with torch.inference_mode():
-        assert isinstance(model(factories.reference_inputs(df)), tuple)
+        t4r_answer = model(factories.reference_inputs(df))
+    assert isinstance(t4r_answer, tuple)
+    assert out["item_ids"].dtype == t4r_answer[1].numpy().dtype == np.int64
+
+
+def test_operator_top_k_answers_int32_ids(model):
+    """The operator's own top_k keeps the compact dtype; model.top_k does not change it."""
+    for model_top_k in (None, 5):
+        model.top_k = model_top_k
+        op = PredictT4RPyTorch(model, top_k=3)
+        assert op.compute_output_schema(None, None)["item_ids"].dtype.to_numpy == np.int32
+        out = _served(op, factories.random_sessions(2, np.random.default_rng(7)))
+        assert out["item_ids"].dtype == np.int32
 
 
 def test_operator_top_k_takes_precedence_over_the_models(model):

@@ -93,11 +93,13 @@ class PredictT4RPyTorch(BaseOperator):
         ``item_ids``, as ``model.output_schema`` gives it with ``model.top_k`` set) is
         recognised: its ``item_ids`` dtype is kept, and ``top_k`` columns are declared.
     top_k : int, optional
-        For next-item prediction: return the ``top_k`` best items as ``item_ids`` (int32,
-        the encoded ids the model scores) and ``item_id_scores`` (float32), each
+        For next-item prediction: return the ``top_k`` best items as ``item_ids`` (the
+        encoded ids the model scores) and ``item_id_scores`` (float32), each
         ``[batch, top_k]``, instead of the full score matrix. Default ``model.top_k``
         (T4R's way to ask for a top-k at inference); a value given here takes precedence
-        over it. Ids that stand for no item never appear: the padding id, and for an
+        over it. The ids' dtype: ``output_schema``'s if given; with ``model.top_k``
+        adopted, T4R's (its ``model.output_schema``, the item-id column's dtype, as
+        ``model(batch)`` returns them); with this ``top_k``, int32 (half the bytes). Ids that stand for no item never appear: the padding id, and for an
         item-id column made by NVTabular's ``Categorify`` its null and out-of-vocabulary
         ids, as its schema says. A ``top_k`` larger than the ids left is refused here.
     exclude_seen : bool, default False
@@ -151,7 +153,10 @@ class PredictT4RPyTorch(BaseOperator):
     ):
         super().__init__()
         model = _unwrap(model)
-        top_k = top_k if top_k is not None else getattr(model, "top_k", None)
+        if top_k is None and getattr(model, "top_k", None) is not None:
+            # Adopting T4R's top-k: answer as T4R does, in its schema's item_ids dtype.
+            top_k = model.top_k
+            output_schema = model.output_schema if output_schema is None else output_schema
         if top_k is not None and not is_positive_int(top_k):
             raise T4ROpsError(f"top_k must be a positive int or None, got {top_k!r}")
         top_k = None if top_k is None else int(top_k)
