@@ -26,20 +26,13 @@ from merlin_t4r_ops.ops.masking import (
 )
 from merlin_t4r_ops.ops.skeleton import holds_any
 from merlin_t4r_ops.sequence import resolve_sequence_length
+from merlin_t4r_ops.wrappers import unwrap_model
 
 __all__ = ["PredictT4RPyTorch"]
 
 TOP_K_IDS = "item_ids"
 TOP_K_SCORES = "item_id_scores"
 _SCORES = "__scores__"  # the captured output when seen ids are masked after the graph
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while isinstance(
-        model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
-    ):
-        model = model.module
-    return model
 
 
 # T4R keeps per-call state on the model's modules, so every operator over one model must
@@ -152,7 +145,7 @@ class PredictT4RPyTorch(BaseOperator):
         cuda_graph_buckets: Optional[Sequence[int]] = DEFAULT_BUCKETS,
     ):
         super().__init__()
-        model = _unwrap(model)
+        model = unwrap_model(model)
         if top_k is None and getattr(model, "top_k", None) is not None:
             # Adopting T4R's top-k: answer as T4R does, in its schema's item_ids dtype.
             top_k = model.top_k
