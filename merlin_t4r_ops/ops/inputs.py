@@ -123,7 +123,7 @@ def to_model_inputs(
 
     columns = {}
     for spec in specs:
-        column = table[spec.name]
+        column = table[spec.name].cpu()  # a GPU workflow hands over cupy or CUDA columns
         values = np.asarray(column.values)
         if spec.is_list and column.offsets is not None:
             lengths = _lengths_from_offsets(spec.name, column.offsets, len(values))
