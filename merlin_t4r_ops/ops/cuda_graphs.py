@@ -22,6 +22,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from merlin_t4r_ops.arguments import is_positive_int
 from merlin_t4r_ops.errors import T4ROpsError
 
 __all__ = [
@@ -53,13 +54,13 @@ def check_buckets(buckets: Optional[Iterable[int]]) -> Tuple[int, ...]:
     if buckets is None:
         return ()
     buckets = tuple(buckets)
-    bad = [b for b in buckets if isinstance(b, bool) or not isinstance(b, int) or b < 1]
+    bad = [b for b in buckets if not is_positive_int(b)]
     if bad:
         raise T4ROpsError(
             f"cuda_graph_buckets must be positive ints (batch sizes), got {bad[0]!r} in "
             f"{buckets!r}"
         )
-    return tuple(sorted(set(buckets)))
+    return tuple(sorted({int(b) for b in buckets}))
 
 
 def bucket_for(rows: int, buckets: Sequence[int]) -> Optional[int]:

@@ -91,6 +91,8 @@ class ReplicaLoss(torch.nn.Module):
     outputs (no ``loss``) pass through unchanged.
     """
 
+    wraps_model = True  # merlin_t4r_ops.wrappers.unwrap_model looks through it
+
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
