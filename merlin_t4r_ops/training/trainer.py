@@ -220,7 +220,7 @@ class Trainer(T4RTrainer):
             outputs = forward_batch(model, features, targets, training=training, testing=testing)
         if not testing:
             return None, (None if prediction_loss_only else nested_detach(outputs)), None, None
-        loss_sum, n_targets = loss_sum_and_count(outputs)
+        loss_sum, n_targets = loss_sum_and_count(outputs, unwrap_model(model))
         stats = {"loss_sum": loss_sum.detach(), "n_targets": n_targets.detach()}
         loss = batch_loss(outputs).detach()
         if prediction_loss_only:
