@@ -126,8 +126,11 @@ class ReplicaLoss(torch.nn.Module):
     Parameters
     ----------
     model : transformers4rec.torch.Model
-        Kept as ``self.model`` (not ``module``, which Hugging Face's and this
-        package's ``unwrap_model`` would look through when deciding to wrap).
+        Kept as ``self.model``, not ``module``: Hugging Face's ``unwrap_model``
+        follows every ``.module`` and would take a ReplicaLoss for a wrapper
+        when deciding whether to wrap. This package's
+        :func:`~merlin_t4r_ops.training.state.unwrap_model` looks through it
+        explicitly.
 
     Notes
     -----
