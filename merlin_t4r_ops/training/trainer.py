@@ -271,6 +271,8 @@ class Trainer(T4RTrainer):
             )
             if testing:
                 acc.update({**stats, "predictions": preds, "labels": labels})
+                if preds is not None:
+                    self._log_batch(core, step, preds, labels, next_items, metric_key_prefix)
             elif keep_predictions:
                 top_k = select_top_k(preds, next_items, self.args.predict_top_k, core.top_k)
                 predictions.append(to_cpu(top_k))
@@ -290,6 +292,28 @@ class Trainer(T4RTrainer):
             metrics=metrics,
             num_samples=self._global_sum(n_rows),
         )
+
+    def _log_batch(self, core, step, preds, labels, next_items, metric_key_prefix) -> None:
+        """T4R's ``args.log_predictions``: a batch's top-k to ``log_predictions_callback``.
+
+        As T4R's loop does: only with a top-k (``predict_top_k``, or a model
+        whose output is already its top-k), with this rank's labels of the
+        next-item task and the batch's ``model.calculate_metrics`` every
+        ``compute_metrics_each_n_steps`` batches (``None`` in between).
+        """
+        if not (self.args.log_predictions and self.log_predictions_callback and next_items):
+            return
+        top_k = select_top_k(preds, next_items, self.args.predict_top_k, core.top_k)
+        next_item = top_k[next_items[0]] if isinstance(top_k, dict) else top_k
+        if not isinstance(next_item, tuple):  # full scores: T4R logs nothing
+            return
+        batch_metrics = None
+        if step % self.args.compute_metrics_each_n_steps == 0:
+            batch_metrics = core.calculate_metrics(preds, labels)
+            core.reset_metrics()  # torchmetrics would otherwise keep every batch's state
+        ids, scores = next_item
+        labels = labels[next_items[0]] if isinstance(labels, dict) else labels
+        self._maybe_log_predictions(labels, ids, scores, batch_metrics, metric_key_prefix)
 
     def _global_sum(self, n: int) -> int:
         if not self.dist_state.is_distributed:
