@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -116,6 +117,20 @@ def test_eval_metrics_are_exact_not_mean_of_batch_means(data, tmp_path, arch, ba
         assert metrics[f"eval_/next-item/{name}"] == pytest.approx(exact, abs=1e-6), name
         differs += abs(mean_of_means - exact) > 1e-3
     assert differs, "test data should make mean-of-batch-means differ from the exact mean"
+
+
+def test_evaluate_takes_every_form_of_eval_dataset(data, tmp_path):
+    # A directory as os.PathLike, or a merlin.io.Dataset, passed to evaluate() is what is
+    # evaluated, not silently replaced by eval_dataset_or_path.
+    from merlin.io import Dataset
+
+    trainer = _trainer(data, tmp_path, model=make_model(data["schema"], seed=3))
+    train_dir = os.path.dirname(data["train"][0])
+    expected = trainer.evaluate(train_dir)["eval_/loss"]
+    assert expected != pytest.approx(trainer.evaluate()["eval_/loss"], rel=1e-6)
+    for form in (pathlib.Path(train_dir), Dataset(data["train"], engine="parquet")):
+        loss = trainer.evaluate(form)["eval_/loss"]
+        assert loss == pytest.approx(expected, rel=1e-6), type(form).__name__
 
 
 def test_eval_matches_transformers4rec_single_process(data, tmp_path):

@@ -156,10 +156,14 @@ class Trainer(T4RTrainer):
         return self._merlin_loader(self.train_dataset_or_path, self.args.train_batch_size, True)
 
     def get_eval_dataloader(self, eval_dataset=None):
-        """Eval loader sharded by global rank, every row once (ranks may differ by a batch)."""
+        """Eval loader sharded by global rank, every row once (ranks may differ by a batch).
+
+        ``eval_dataset`` (path, ``os.PathLike``, list of them or
+        ``merlin.io.Dataset``) replaces ``eval_dataset_or_path`` when given.
+        """
         if self.eval_dataloader is not None:
             return self.eval_dataloader
-        path = eval_dataset if isinstance(eval_dataset, (str, list)) else self.eval_dataset_or_path
+        path = eval_dataset if eval_dataset is not None else self.eval_dataset_or_path
         return self._merlin_loader(path, self.args.eval_batch_size, False)
 
     def get_test_dataloader(self, test_dataset=None):
