@@ -29,11 +29,11 @@ loop and the saving/logging guards.
 """
 
 import contextlib
-import logging
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import send_to_device
 from transformers.trainer_pt_utils import find_batch_size
 from transformers.trainer_utils import EvalLoopOutput
 from transformers.training_args import ParallelMode
@@ -53,12 +53,10 @@ from merlin_t4r_ops.training.data_parallel import (
     loss_sum_and_count,
 )
 from merlin_t4r_ops.training.metrics import MetricAccumulator, prediction_tasks
-from merlin_t4r_ops.training.predictions import check_top_k, gather_to_main, select_top_k, to_cpu
+from merlin_t4r_ops.training.predictions import check_top_k, gather_to_main, select_top_k
 from merlin_t4r_ops.training.state import DistributedState, resolve_strategy, unwrap_model
 
 __all__ = ["Trainer"]
-
-logger = logging.getLogger(__name__)
 
 
 class Trainer(T4RTrainer):
@@ -279,7 +277,7 @@ class Trainer(T4RTrainer):
                     self._log_batch(core, step, preds, labels, next_items, metric_key_prefix)
             elif keep_predictions:
                 top_k = select_top_k(preds, next_items, self.args.predict_top_k, core.top_k)
-                predictions.append(to_cpu(top_k))
+                predictions.append(send_to_device(top_k, "cpu"))
             self.control = self.callback_handler.on_prediction_step(
                 self.args, self.state, self.control
             )
