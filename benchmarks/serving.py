@@ -14,11 +14,18 @@ Paths, side by side on the same sessions (``--paths`` picks; the first four by d
 * ``compiled``        in process: ``torch.compile(mode="reduce-overhead")`` of the same
                       forward + top-k, the alternative to our own buckets (compile time and
                       parity with eager are printed at its first call);
+* ``triton-batched``  Triton with batching across requests: the top-k ensemble exported with
+                      ``merlin_t4r_ops.runtime.BatchingTritonRuntime`` (eager operator);
+* ``triton-batched-captured``  the same with the operator's CUDA-graph buckets;
 * ``triton-decoded``, ``triton-decoded-captured``  ``triton`` and ``triton-captured`` with
                       the session's items masked too (``exclude_seen=True``) and
                       ``DecodeItemIds`` turning the ids into int64 raw ids through a Categorify
                       vocabulary of the whole catalogue: a complete endpoint. A table gives
                       their p50 against the plain top-k path.
+
+After the grid, batch-1 requests from ``--batch1-concurrency`` clients (16 and 64 by default,
+8 with ``--quick``) compare Triton today with batching across requests, and the gain in
+rows/s is printed with the requests each ``execute`` call held (Triton's statistics).
 
 The Triton paths are timed from a pandas DataFrame of sessions to numpy outputs: the
 client's encoding (``dataframe_to_inputs``) and decoding (``as_numpy``) are part of the
@@ -44,7 +51,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import sys
 import tempfile
 import threading
@@ -56,16 +62,21 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests")]  # the tests' factories
 
+BATCHED, BATCHED_CAPTURED = "triton-batched", "triton-batched-captured"
 PATHS = ("eager", "captured", "triton", "triton-captured",
-         "local", "local-captured", "triton-full", "compiled",
+         "local", "local-captured", "triton-full", "compiled", BATCHED, BATCHED_CAPTURED,
          "triton-decoded", "triton-decoded-captured")
-DEFAULT_PATHS = "eager,captured,triton,triton-captured"
+DEFAULT_PATHS = "eager,captured,triton,triton-captured,triton-batched"
 # Which exported ensemble each Triton or local path uses.
 ENSEMBLE_OF = {"triton": "top", "triton-captured": "top_captured", "triton-full": "full",
                "local": "top", "local-captured": "top_captured",
+               BATCHED: "batched", BATCHED_CAPTURED: "batched_captured",
                "triton-decoded": "decoded", "triton-decoded-captured": "decoded_captured"}
 # Each masked-and-decoded path and the plain top-k path it is compared with.
 DECODED_VS_PLAIN = {"triton-decoded": "triton", "triton-decoded-captured": "triton-captured"}
+# Batch-1 requests from many clients: the floor, Triton today and batching across requests
+# (in-process CUDA-graph replays share static buffers, so "captured" stays out).
+CONCURRENT_PATHS = ("eager", "triton", "triton-captured", BATCHED, BATCHED_CAPTURED)
 
 
 def parse_args(argv=None):
@@ -92,12 +103,17 @@ def parse_args(argv=None):
                    help="torch threads here (default: what each Triton stub gets)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--instances", type=int, default=None,
-                   help="optional: rewrite the exported instance_group count (default: as exported)")
+                   help="optional: executor instances per GPU (default: as Merlin exports)")
+    p.add_argument("--batch1-concurrency", default=None,
+                   help="clients sending batch-1 requests (default 16,64; 8 with --quick)")
+    p.add_argument("--batch-delay-us", type=int, default=0,
+                   help="max_queue_delay_microseconds of the triton-batched models")
     p.add_argument("--quick", action="store_true", help="1k items, 32 requests, 1 s, 2 rounds per cell")
     p.add_argument("--output-dir", default=None, help="write serving.md and serving.json here")
     args = p.parse_args(argv)
     if args.quick:
         args.items, args.requests, args.seconds, args.warmup, args.rounds = 1_000, 32, 1.0, 2, 2
+    args.batch1_concurrency = args.batch1_concurrency or ("8" if args.quick else "16,64")
     args.paths = [p for p in args.paths.split(",") if p]
     unknown = [p for p in args.paths if p not in PATHS]
     if unknown:
@@ -143,7 +159,7 @@ def catalogue_workflow(items, directory):
 
 
 def export_repository(model, args, device, path):
-    """Export the ensembles the chosen paths need; optionally set their instance count."""
+    """Export the ensembles the chosen paths need, with ``--instances`` per GPU if given."""
     from merlin.systems.dag import Ensemble
 
     from merlin_t4r_ops import DecodeItemIds, PredictT4RPyTorch
@@ -151,6 +167,8 @@ def export_repository(model, args, device, path):
     # name: (top_k, CUDA-graph buckets, exclude_seen and decode)
     settings = {"full": (None, None, False), "top": (args.top_k, None, False),
                 "top_captured": (args.top_k, args.buckets, False),
+                "batched": (args.top_k, None, False),
+                "batched_captured": (args.top_k, args.buckets, False),
                 "decoded": (args.top_k, None, True),
                 "decoded_captured": (args.top_k, args.buckets, True)}
     needed = {ENSEMBLE_OF[p] for p in args.paths if p in ENSEMBLE_OF}
@@ -171,17 +189,18 @@ def export_repository(model, args, device, path):
             assert len(decoders[name].vocabulary.raw_ids) == args.items - 3  # every id decodes
             pipeline = pipeline >> decoders[name]
         ensembles[name] = Ensemble(pipeline, model.input_schema)
-        ensembles[name].export(str(path), name=name)
-        if args.instances:
-            set_instance_count(Path(path) / name / "config.pbtxt", args.instances)
+        ensembles[name].export(str(path), name=name, runtime=export_runtime(name, args))
     return ensembles
 
 
-def set_instance_count(config_path, count):
-    """Optional post-export tuning: give every ``instance_group`` of a config ``count`` copies."""
-    text = Path(config_path).read_text()
-    text = re.sub(r"instance_group\s*\{", f"instance_group {{\n  count: {count}", text)
-    Path(config_path).write_text(text)
+def export_runtime(name, args):
+    """Merlin's runtime, or ours for ``--instances`` and for batching across requests."""
+    from merlin_t4r_ops.runtime import BatchingTritonRuntime, TritonRuntime
+
+    instances = {"instances": args.instances} if args.instances else {}
+    if name.startswith("batched"):
+        return BatchingTritonRuntime(max_queue_delay_us=args.batch_delay_us, **instances)
+    return TritonRuntime(**instances) if instances else None
 
 
 def measure(calls, per_thread, seconds, warmup):
@@ -272,7 +291,7 @@ def path_calls(path, df, inputs_dtypes, cpu_inputs, ops, ensembles, server):
     import torch
 
     from merlin.table import TensorTable
-    from merlin_t4r_ops.serving.client import dataframe_arrays, dataframe_to_inputs
+    from merlin_t4r_ops.serving.client import dataframe_arrays
 
     def nbytes(outputs):
         return sum(v.element_size() * v.nelement() for v in outputs.values())
@@ -315,17 +334,28 @@ def path_calls(path, df, inputs_dtypes, cpu_inputs, ops, ensembles, server):
             return call
         return make
 
+    name = ENSEMBLE_OF[path]
+    return triton_calls(name, ensembles[name].output_schema.column_names, df, inputs_dtypes,
+                        server, batch_dimension=name.startswith("batched"))
+
+
+def triton_calls(name, outputs, df, inputs_dtypes, server, *, batch_dimension=False):
+    """Per-thread callables sending ``df`` to Triton model ``name``; each returns the size.
+
+    ``batch_dimension``: the model was exported with ``BatchingTritonRuntime``, which takes
+    each request as one batch entry (a leading dimension of 1 on every tensor).
+    """
     import tritonclient.grpc as grpcclient
 
-    name = ENSEMBLE_OF[path]
-    outputs = ensembles[name].output_schema.column_names
+    from merlin_t4r_ops.serving.client import dataframe_to_inputs
 
     def make():
         client = server.client()
         requested = [grpcclient.InferRequestedOutput(o) for o in outputs]
 
         def call():
-            result = client.infer(name, dataframe_to_inputs(df, inputs_dtypes), outputs=requested)
+            inputs = dataframe_to_inputs(df, inputs_dtypes, batch_dimension=batch_dimension)
+            result = client.infer(name, inputs, outputs=requested)
             for o in outputs:
                 result.as_numpy(o)
             return result.get_response().ByteSize()
@@ -416,7 +446,9 @@ def triton_stats(client, name):
     """Triton's cumulative inference statistics of one model (counts and nanoseconds)."""
     stats = client.get_inference_statistics(model_name=name, as_json=True)["model_stats"][0]
     inference = stats.get("inference_stats", {})
-    out = {}
+    # Requests (failed ones too) and execute calls: their ratio is the batch Triton formed.
+    out = {"requests": int(stats.get("inference_count", 0) or 0),
+           "executions": int(stats.get("execution_count", 0) or 0)}
     for key in ("success", "queue", "compute_input", "compute_infer", "compute_output"):
         out[key + "_ns"] = int(inference.get(key, {}).get("ns", 0) or 0)
         out[key + "_n"] = int(inference.get(key, {}).get("count", 0) or 0)
@@ -431,7 +463,9 @@ def stats_row(before, after, path, batch, cell):
         return (after[key + "_ns"] - before[key + "_ns"]) / n / 1e6
 
     server = ms("success")
+    executions = max(1, after["executions"] - before["executions"])
     return {"path": path, "batch": batch, "client_p50_ms": cell["p50_ms"],
+            "requests_per_execute": (after["requests"] - before["requests"]) / executions,
             "client_mean_ms": cell["mean_ms"], "server_ms": server,
             "queue_ms": ms("queue"), "input_ms": ms("compute_input"),
             "infer_ms": ms("compute_infer"), "output_ms": ms("compute_output"),
@@ -468,7 +502,8 @@ def run(args):
         serve = triton_server(repo, timeout=600) if ensembles else contextlib.nullcontext()
         with serve as server:
             stats_client = server.client() if server else None
-            dtypes = (_input_specs(model_metadata(stats_client, next(iter(ensembles))))[0]
+            dtypes = (_input_specs(model_metadata(stats_client, "top" if "top" in ensembles
+                                                  else next(iter(ensembles))))[0]
                       if server else None)
             for batch in batches:
                 df = factories.random_sessions(batch, rng, max_len=args.seq_len,
@@ -481,20 +516,58 @@ def run(args):
                     for _ in range(3):
                         call()
                 for concurrency in levels:
-                    before = {p: triton_stats(stats_client, ENSEMBLE_OF[p]) for p in triton_paths}
-                    cells = measure_cell(makers, batch, concurrency, args)
-                    floor = cells["eager"]["p50_ms"] if "eager" in cells else float("nan")
-                    for path, cell in cells.items():
-                        cell.update(path=path, batch=batch, concurrency=concurrency,
-                                    vs_floor=cell["p50_ms"] / floor)
-                        result["rows"].append(cell)
-                        print(format_row(cell), flush=True)
-                    for path in triton_paths:
-                        after = triton_stats(stats_client, ENSEMBLE_OF[path])
-                        result["stats"].append(dict(
-                            stats_row(before[path], after, path, batch, cells[path]),
-                            concurrency=concurrency))
+                    record_cell(makers, batch, concurrency, args, stats_client, result)
+                if batch == 1:  # then from many clients at once
+                    concurrent = {p: m for p, m in makers.items() if p in CONCURRENT_PATHS}
+                    for concurrency in [int(c) for c in args.batch1_concurrency.split(",")]:
+                        record_cell(concurrent, 1, concurrency, batch1_budget(args, concurrency),
+                                    stats_client, result)
     return result, device
+
+
+def batch1_budget(args, concurrency):
+    """``args`` for a cell of batch-1 requests from ``concurrency`` clients.
+
+    Every client sends up to 25 requests per round (with the grid's budget, a few per client
+    would time little but the clients' start), and the cell gets at least 2 s.
+    """
+    return argparse.Namespace(**{
+        **vars(args), "requests": max(args.requests, 25 * concurrency * args.rounds),
+        "seconds": max(args.seconds, 2.0)})
+
+
+def record_cell(makers, batch, concurrency, args, stats_client, result):
+    """Measure one (batch, concurrency) cell of ``makers``; add its rows and Triton stats."""
+    triton_paths = [p for p in makers if p.startswith("triton")]
+    before = {p: triton_stats(stats_client, ENSEMBLE_OF[p]) for p in triton_paths}
+    cells = measure_cell(makers, batch, concurrency, args)
+    floor = cells["eager"]["p50_ms"] if "eager" in cells else float("nan")
+    for path, cell in cells.items():
+        cell.update(path=path, batch=batch, concurrency=concurrency,
+                    vs_floor=cell["p50_ms"] / floor)
+        result["rows"].append(cell)
+        print(format_row(cell), flush=True)
+    for path in triton_paths:
+        after = triton_stats(stats_client, ENSEMBLE_OF[path])
+        result["stats"].append(dict(stats_row(before[path], after, path, batch, cells[path]),
+                                    concurrency=concurrency))
+
+
+def batching_gains(result):
+    """Markdown table: batch-1 rows/s of each batching path over Triton today, per clients."""
+    rows = {(r["path"], r["concurrency"]): r for r in result["rows"] if r["batch"] == 1}
+    per_execute = {(r["path"], r["concurrency"]): r["requests_per_execute"]
+                   for r in result["stats"] if r["batch"] == 1}
+    lines = ["| batch-1 clients | path | Triton today rows/s | rows/s | gain | "
+             "requests per execute |", "|---:|---|---:|---:|---:|---:|"]
+    for (path, concurrency), row in sorted(rows.items(), key=lambda kv: kv[0][1]):
+        today = rows.get(("triton", concurrency))
+        if not path.startswith(BATCHED) or today is None:
+            continue
+        lines.append(f"| {concurrency} | {path} | {today['rows_per_s']:,.0f} | "
+                     f"{row['rows_per_s']:,.0f} | {row['rows_per_s'] / today['rows_per_s']:.2f}x"
+                     f" | {per_execute.get((path, concurrency), float('nan')):.1f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 HEADER = ("| path | batch | conc | p50 ms | p99 ms | rows/s | response bytes | p50 / floor |\n"
@@ -504,8 +577,9 @@ HEADER = ("| path | batch | conc | p50 ms | p99 ms | rows/s | response bytes | p
 BUCKET_HEADER = ("| bucket | GPU ms (fwd + top-k) | captured p50 ms | captured / GPU | "
                  "eager p50 ms | eager / captured |\n|---:|---:|---:|---:|---:|---:|")
 STATS_HEADER = ("| path | batch | conc | client p50 ms | client mean ms | server mean ms | queue "
-                "| compute input | compute infer | compute output | client + gRPC (means) |\n"
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                "| compute input | compute infer | compute output | client + gRPC (means) "
+                "| requests per execute |\n"
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def format_bucket_row(r):
@@ -520,7 +594,7 @@ def format_stats_row(r):
     return (f"| {r['path']} | {r['batch']} | {r['concurrency']} | {r['client_p50_ms']:.2f} | "
             f"{r['client_mean_ms']:.2f} | {r['server_ms']:.2f} | {r['queue_ms']:.2f} | "
             f"{r['input_ms']:.2f} | {r['infer_ms']:.2f} | {r['output_ms']:.2f} | "
-            f"{r['outside_ms']:.2f} |")
+            f"{r['outside_ms']:.2f} | {r['requests_per_execute']:.1f} |")
 
 
 DECODED_HEADER = ("| path | vs | batch | conc | plain top-k p50 ms | masked + decoded p50 ms "
@@ -575,7 +649,8 @@ def main(argv=None):
     settings = (f"{args.model}, d_model {args.d_model}, {args.n_layer} layers, sequence "
                 f"length {args.seq_len}, {args.items:,} items, top-{args.top_k}, device "
                 f"{device}, instances {args.instances or 'as exported'}, torch threads "
-                f"{torch.get_num_threads()}, {args.rounds} rounds, buckets {list(args.buckets)}")
+                f"{torch.get_num_threads()}, {args.rounds} rounds, buckets {list(args.buckets)}, "
+                f"batched max_queue_delay_us {args.batch_delay_us}")
     tables = ["\n".join([HEADER] + [format_row(r) for r in result["rows"]])]
     if result["buckets"]:
         tables.insert(0, "\n".join([BUCKET_HEADER]
@@ -587,6 +662,9 @@ def main(argv=None):
     if result["decoded"]:
         tables.append("\n".join([DECODED_HEADER]
                                  + [format_decoded_row(r) for r in result["decoded"]]))
+    gains = batching_gains(result)
+    if gains:
+        tables.append("Batching across requests, measured in the same run:\n\n" + gains)
     text = (f"Machine: {machine(device)}\n\nSettings: {settings}\n\n{result['graphs']}\n\n"
             + "\n\n".join(tables) + "\n")
     print("\n" + text)

@@ -8,6 +8,7 @@ __all__ = [
     "ArtifactError",
     "CheckpointError",
     "InvalidRequestError",
+    "SessionLengthError",
     "SchemaMismatchError",
     "StrategyError",
     "ServerStartError",
@@ -29,6 +30,10 @@ class CheckpointError(ArtifactError):
 
 class InvalidRequestError(T4ROpsError, ValueError):
     """A request's inputs cannot be turned into model inputs (names the input and the problem)."""
+
+
+class SessionLengthError(InvalidRequestError):
+    """List columns of one session (of a request or a training batch) disagree on its length."""
 
 
 class SchemaMismatchError(T4ROpsError, ValueError):

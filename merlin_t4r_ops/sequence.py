@@ -9,19 +9,20 @@ item. ``fit``'s loader, the ``Trainer``'s loader and ``PredictT4RPyTorch`` all g
 """
 
 import logging
-import numbers
 from typing import Callable, Iterable, Mapping, Optional
 
 import numpy as np
 import torch
 
-from merlin_t4r_ops.errors import T4ROpsError
+from merlin_t4r_ops.arguments import is_positive_int
+from merlin_t4r_ops.errors import SessionLengthError, T4ROpsError
 
 __all__ = [
     "crop_and_pad",
     "crop_and_pad_rows",
     "padded_lengths",
     "pad_lists_fn",
+    "session_lengths",
     "resolve_sequence_length",
 ]
 
@@ -119,10 +120,7 @@ def resolve_sequence_length(
         ``requested`` is not a positive int, or ``required_for`` is given and no width is
         known; the message names every place looked at.
     """
-    if requested is not None and (
-        isinstance(requested, bool) or not isinstance(requested, numbers.Integral)
-        or requested < 1
-    ):
+    if requested is not None and not is_positive_int(requested):
         raise T4ROpsError(f"max_sequence_length must be a positive int, got {requested!r}")
     schema = _core_schema(model.input_schema if schema is None else schema)
     found = {
@@ -196,44 +194,100 @@ def padded_lengths(ids) -> np.ndarray:
     return np.where(nonzero.any(axis=1), last, 0).astype(np.int64)
 
 
-def _dense_session_lengths(batch: Mapping, names: Iterable[str]) -> Optional[np.ndarray]:
-    """Session lengths of fixed-width list columns: the id columns tell where padding starts."""
-    ids = [padded_lengths(batch[n]) for n in names if not batch[n].is_floating_point()]
-    return np.maximum.reduce(ids) if ids else None
+def session_lengths(lists: Mapping, id_columns: Iterable[str]) -> Optional[np.ndarray]:
+    """The one length per session that every list column agrees on, or None if none tells.
+
+    Training's loaders and the operator both ask this function, so a batch is trained on
+    exactly when a request of the same sessions is served. Ragged columns tell a session's
+    length by their offsets, right-padded id columns (``id_columns``: T4R's
+    ``Tags.CATEGORICAL``, whose id 0 is padding) by where their padding starts. Any other
+    right-padded column (numbers, where 0 is a value) can only be too narrow for it.
+
+    Parameters
+    ----------
+    lists : mapping of str to array or tensor
+        Per list column, in order: 1-D, each session's length (a ragged column's offsets'
+        differences); or 2-D, the right-padded ``[rows, n]`` column itself.
+    id_columns : iterable of str
+        The names, among ``lists``, of categorical columns.
+
+    Returns
+    -------
+    numpy.ndarray of int64 or None
+
+    Raises
+    ------
+    SessionLengthError
+        Naming the first row whose list columns disagree, and each column's length there.
+    """
+    id_columns = set(id_columns)
+    known, widths = {}, {}
+    for name, value in lists.items():
+        if value.ndim == 1:
+            known[name] = np.asarray(value.cpu() if isinstance(value, torch.Tensor) else value)
+        elif name in id_columns:
+            known[name] = padded_lengths(value)
+        else:
+            widths[name] = value.shape[1]
+    if not known:
+        return None
+    session = next(iter(known.values())).astype(np.int64)
+    bad = np.zeros(len(session), dtype=bool)
+    for lengths in known.values():
+        bad |= lengths != session
+    for width in widths.values():
+        bad |= session > width
+    if bad.any():
+        row = int(np.argmax(bad))
+        found = {name: int(lengths[row]) for name, lengths in known.items()}
+        found.update({name: f"at most {width}" for name, width in widths.items()})
+        found = {name: found[name] for name in lists}  # in the columns' order
+        raise SessionLengthError(
+            f"row {row}: the list inputs disagree on the session's length: {found}; every list "
+            "column holds one value per event of the session"
+        )
+    return session
 
 
-def _pad_lists(batch: Mapping, width: int, list_columns) -> dict:
-    dense = [n for n in list_columns if n in batch]
-    dense_lengths = _dense_session_lengths(batch, dense)
+def _pad_lists(batch: Mapping, width: int, list_columns, id_columns) -> dict:
+    lists = {}
+    for key, value in batch.items():
+        if key.endswith("__offsets"):
+            offsets = value.reshape(-1)
+            lists[key[: -len("__offsets")]] = offsets[1:] - offsets[:-1]
+        elif key in list_columns:
+            lists[key] = value
+    lengths = session_lengths(lists, id_columns)
     padded = {}
     for key, value in batch.items():
         if key.endswith("__offsets"):
             continue
         if key.endswith("__values"):
             name = key[: -len("__values")]
-            offsets = batch[f"{name}__offsets"].reshape(-1)
-            padded[name] = crop_and_pad(value, offsets[1:] - offsets[:-1], width)
-        elif key in dense:
-            lengths = dense_lengths if dense_lengths is not None else [value.shape[1]] * len(value)
-            padded[key] = crop_and_pad_rows(value, lengths, width)
+            padded[name] = crop_and_pad(value, lists[name], width)
+        elif key in lists:
+            rows = lengths if lengths is not None else [value.shape[1]] * len(value)
+            padded[key] = crop_and_pad_rows(value, rows, width)
         else:
             padded[key] = value
     return padded
 
 
-def pad_lists_fn(width: int, list_columns: Iterable[str] = ()) -> Callable:
+def pad_lists_fn(width: int, list_columns: Iterable[str] = (),
+                 id_columns: Iterable[str] = ()) -> Callable:
     """A Merlin loader's ``(x, y) -> (x, y)`` map giving every list column ``[rows, width]``.
 
-    Ragged columns (``name__values``/``name__offsets``) and the fixed-width ``list_columns``
-    go through :func:`crop_and_pad`: dense tensors are what DataParallel can split along the
-    batch dimension, where it would split values and offsets independently.
+    Ragged columns (``name__values``/``name__offsets``) and the fixed-width ones among
+    ``list_columns`` go through :func:`crop_and_pad`, at the lengths :func:`session_lengths`
+    finds (``id_columns``: the categorical ones): dense tensors are what DataParallel can split
+    along the batch dimension, where it would split values and offsets independently.
     """
-    list_columns = tuple(list_columns)
+    list_columns, id_columns = tuple(list_columns), tuple(id_columns)
 
     def pad(x, y=None):
-        x = _pad_lists(x, width, list_columns)
+        x = _pad_lists(x, width, list_columns, id_columns)
         if isinstance(y, dict):
-            y = _pad_lists(y, width, list_columns)
+            y = _pad_lists(y, width, list_columns, id_columns)
         return x, y
 
     return pad

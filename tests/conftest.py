@@ -37,6 +37,10 @@ SERVED = {
 }
 TOP_K = 10
 MASKED_TOP_K = 100  # wide enough that an untrained model ranks reserved ids inside it
+# Exported with BatchingTritonRuntime: the model of next_item_full, and the workflow ensemble.
+BATCHED_MODEL, BATCHED_WORKFLOW = "next_item_batched", "session_topk_batched"
+# Long enough that concurrent test clients land in one execute call on a loaded CI machine.
+BATCH_DELAY_US = 5000
 
 
 @pytest.fixture(scope="session")
@@ -54,10 +58,15 @@ def session_workflow(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def model_repository(tmp_path_factory, served_models, session_workflow):
-    """Each model exported as its own ensemble, plus three with a workflow in front."""
+    """Each model exported as its own ensemble, plus three with a workflow in front.
+
+    The model of ``next_item_full`` and the top-k workflow ensemble are exported a second
+    time with :class:`BatchingTritonRuntime` (``BATCHED_MODEL``, ``BATCHED_WORKFLOW``).
+    """
     from merlin.systems.dag import Ensemble
 
     from merlin_t4r_ops import PredictT4RPyTorch
+    from merlin_t4r_ops.runtime import BatchingTritonRuntime
 
     path = tmp_path_factory.mktemp("model_repository")
     for name, model in served_models.items():
@@ -75,6 +84,13 @@ def model_repository(tmp_path_factory, served_models, session_workflow):
     )
     factories.seen_and_plain_ensemble(workflow, workflow_model, MASKED_TOP_K,
                                       decode=True).export(str(path), name="session_decoded")
+    batching = BatchingTritonRuntime(max_queue_delay_us=BATCH_DELAY_US)
+    model = served_models["next_item_full"]
+    Ensemble(model.input_schema.column_names >> PredictT4RPyTorch(model),
+             model.input_schema).export(str(path), name=BATCHED_MODEL, runtime=batching)
+    factories.workflow_ensemble(workflow, workflow_model, top_k=TOP_K).export(
+        str(path), name=BATCHED_WORKFLOW, runtime=batching
+    )
     return path
 
 
@@ -106,7 +122,8 @@ def string_client(tmp_path_factory, string_session_workflow):
 def triton(model_repository):
     from merlin_t4r_ops.serving import triton_server
 
-    with triton_server(model_repository) as server:
+    # Eight models load at once; a CI machine shared with other jobs needs more than 180 s.
+    with triton_server(model_repository, timeout=600) as server:
         yield server
 
 

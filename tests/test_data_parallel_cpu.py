@@ -17,7 +17,7 @@ import torch
 
 import t4r_training_factories as factories
 from dp_simulation import simulate
-from merlin_t4r_ops.training import DistributedState, Trainer, evaluate, fit
+from merlin_t4r_ops.training import DistributedState, Trainer, evaluate, fit, make_loader
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_scripts"))
 from trainer_common import ITEM_COL, MAX_LEN, make_args, make_model, make_schema  # noqa: E402
@@ -93,6 +93,23 @@ def test_fit_dp_batch_with_fewer_rows_than_gpus(data, simulated_gpus):
     single = evaluate(model, data["valid"], strategy=SINGLE, batch_size=15)
     for name, value in single.items():
         assert history[-1][f"eval_{name}"] == pytest.approx(value, rel=1e-6, abs=1e-7), name
+
+
+@pytest.mark.parametrize("n_devices", [3, 4])
+def test_fit_dp_training_loss_with_several_tasks_equals_one_device(n_devices, data,
+                                                                  simulated_gpus):
+    # Next-item, click and rating on one head: under CLM each replica's next-item loss is a
+    # mean over its own masked positions, the other two over its rows; 50 rows do not split
+    # evenly on 3 or 4 GPUs. lr 0 keeps the weights, so train_loss is this batch's loss.
+    model = factories.build_model("multi")
+    batch = next(iter(make_loader(data["valid"], model, SINGLE, batch_size=50)))
+    losses = {}
+    for n, state in ((1, SINGLE), (n_devices, DP)):
+        simulated_gpus(n)
+        history = fit(model, [batch], epochs=1, strategy=state, progress=False, seed=0,
+                      optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
+        losses[n] = history[0]["train_loss"]
+    assert losses[n_devices] == pytest.approx(losses[1], rel=1e-6)
 
 
 @pytest.mark.parametrize("masking", ["clm", "mlm"])

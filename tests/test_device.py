@@ -183,3 +183,39 @@ def test_instance_on_gpu_1_leaves_gpu_0_alone(tmp_path, device):
     placed_on, current, before, after = result.stdout.split()[-4:]
     assert (placed_on, current) == ("cuda:1", "1")
     assert after == before, "loading or answering on GPU 1 opened a context on GPU 0"
+
+
+def _request_on(device: str, table: TensorTable, kind: str) -> TensorTable:
+    """``table`` as a workflow on ``device`` hands it over: cupy (cuDF) or torch columns."""
+    if kind == "cupy":
+        pytest.importorskip("cupy", reason="cuDF workflows hand over cupy columns")
+        return table.gpu()
+    from merlin.table import TorchColumn
+
+    def tensor(array):
+        return None if array is None else torch.as_tensor(array).to(device)
+
+    return TensorTable({name: TorchColumn(tensor(column.values), tensor(column.offsets))
+                        for name, column in table.items()})
+
+
+def _answers_a_request_on(device, kind):
+    model = factories.next_item_model(seed=8)
+    op = PredictT4RPyTorch(model, top_k=5, exclude_seen=True)  # exclude_seen reads the ids too
+    df = factories.random_sessions(6, np.random.default_rng(9))
+    host = op.predict(TensorTable.from_df(df))
+    got = op.predict(_request_on(device, TensorTable.from_df(df), kind))
+    for name in ("item_ids", "item_id_scores"):
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(host[name]), rtol=1e-6)
+
+
+def test_a_request_of_torch_columns_is_answered_like_numpy():
+    _answers_a_request_on("cpu", "torch")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("kind", ["torch", "cupy"])
+def test_a_request_of_gpu_columns_is_answered_like_numpy(kind):
+    """A GPU workflow's columns (cupy from cuDF, or CUDA tensors). Before: TypeError."""
+    _answers_a_request_on("cuda", kind)

@@ -4,6 +4,7 @@ Every answer is compared with a reference built the slow, obvious way in the tes
 eager model at its own width, reserved and seen ids set to -inf one by one, ``torch.topk``.
 """
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +60,10 @@ def test_model_top_k_is_adopted(model):
     op = PredictT4RPyTorch(model)
     schema = op.compute_output_schema(None, None)
     assert schema.column_names == ["item_ids", "item_id_scores"]
-    assert schema["item_ids"].dtype.to_numpy == np.int32
+    # Adopted from T4R, answered as T4R does: int64, as model(batch) and its output_schema.
+    # (Review finding 5; before: int32, but int64 when model.output_schema was passed.)
+    assert schema["item_ids"].dtype.to_numpy == np.int64
+    assert model.output_schema["item_ids"].dtype.to_numpy == np.int64
     assert [d.max for d in schema["item_ids"].shape.dims] == [None, 5]
     df = factories.random_sessions(9, np.random.default_rng(1))
     out = _served(op, df)
@@ -69,7 +73,19 @@ def test_model_top_k_is_adopted(model):
     # The caller's model keeps T4R's behaviour: model(batch) is still its own top-k.
     assert model.top_k == 5
     with torch.inference_mode():
-        assert isinstance(model(factories.reference_inputs(df)), tuple)
+        t4r_answer = model(factories.reference_inputs(df))
+    assert isinstance(t4r_answer, tuple)
+    assert out["item_ids"].dtype == t4r_answer[1].numpy().dtype == np.int64
+
+
+def test_operator_top_k_answers_int32_ids(model):
+    """The operator's own top_k keeps the compact dtype; model.top_k does not change it."""
+    for model_top_k in (None, 5):
+        model.top_k = model_top_k
+        op = PredictT4RPyTorch(model, top_k=3)
+        assert op.compute_output_schema(None, None)["item_ids"].dtype.to_numpy == np.int32
+        out = _served(op, factories.random_sessions(2, np.random.default_rng(7)))
+        assert out["item_ids"].dtype == np.int32
 
 
 def test_operator_top_k_takes_precedence_over_the_models(model):
@@ -106,6 +122,25 @@ def test_top_k_up_to_the_unreserved_catalogue_is_accepted(model):
     out = _served(op, factories.random_sessions(2, np.random.default_rng(4)))
     assert out["item_ids"].shape == (2, factories.ITEMS - 1)
     assert 0 not in out["item_ids"]
+
+
+# -- review of issue 10, finding 7: one check of integer knobs ---------------------------------
+@pytest.mark.parametrize("top_k", [True, 0, 2.0, "3"])
+def test_top_k_that_is_not_a_count_is_refused(model, top_k):
+    """Before: top_k=True was taken as 1."""
+    with pytest.raises(T4ROpsError, match=rf"top_k must be a positive int or None, "
+                                          rf"got {re.escape(repr(top_k))}"):
+        PredictT4RPyTorch(model, top_k=top_k)
+
+
+def test_numpy_integers_are_counts(model):
+    """Before: np.int64(5), as a config or a DataFrame gives it, was refused."""
+    op = PredictT4RPyTorch(model, top_k=np.int64(5), max_sequence_length=np.int32(factories.SEQ_LEN),
+                           cuda_graph_buckets=[np.int64(8), 1])
+    assert (type(op.top_k), op.top_k, op.max_sequence_length) == (int, 5, factories.SEQ_LEN)
+    assert op.cuda_graph_buckets == (1, 8) and type(op.cuda_graph_buckets[1]) is int
+    out = _served(op, factories.random_sessions(2, np.random.default_rng(6)))
+    assert out["item_ids"].shape == (2, 5)
 
 
 # -- issue 11: reserved ids, read from the schema ----------------------------------------------

@@ -50,6 +50,16 @@ def test_wrapped_models_are_unwrapped(model):
     assert op.model is model
 
 
+def test_the_dp_strategys_model_is_unwrapped_as_training_does(model):
+    """One unwrap for training and serving. Before: the operator kept ReplicaLoss."""
+    from merlin_t4r_ops.training import unwrap_model
+    from merlin_t4r_ops.training.data_parallel import ReplicaLoss
+
+    wrapped = torch.nn.DataParallel(ReplicaLoss(model))  # what strategy "dp" trains
+    assert unwrap_model(wrapped) is model
+    assert PredictT4RPyTorch(wrapped).model is model
+
+
 def test_constructor_leaves_the_callers_schemas_alone(model):
     schema = model.input_schema
     before = schema.to_dict() if hasattr(schema, "to_dict") else repr(schema)

@@ -24,6 +24,7 @@ from transformers4rec.data import tabular_sequence_testing_data
 
 import t4r_factories as factories
 from merlin_t4r_ops import InvalidRequestError, PredictT4RPyTorch, T4ROpsError
+from merlin_t4r_ops.errors import SessionLengthError
 from merlin_t4r_ops.ops.inputs import input_specs, to_model_inputs
 from merlin_t4r_ops.sequence import crop_and_pad, resolve_sequence_length
 from merlin_t4r_ops.training import DistributedState, Trainer, make_loader, resolve_strategy
@@ -286,3 +287,64 @@ def test_right_padded_lists_that_disagree_name_the_columns_and_the_row(model):
                 r"\{'item_id-list': 3, 'category-list': 5, 'price-list': 'at most 5'\}")
     with pytest.raises(InvalidRequestError, match=expected):
         PredictT4RPyTorch(model).predict(table)
+
+
+# ---- one session-length rule: ids are the CATEGORICAL columns, as in T4R's from_schema -------
+
+def _quantity_schema(n):
+    """Items (ids) and an integer CONTINUOUS quantity per event, right-padded to ``n``."""
+    return Schema([
+        _list_column("item_id-list", [Tags.ITEM_ID, Tags.ITEM, Tags.ID], 50, max_len=n)
+        .with_shape((None, n)),
+        _list_column("category-list", [], 8, max_len=n).with_shape((None, n)),
+        ColumnSchema("qty-list", dtype=np.int64, is_list=True, tags=[Tags.CONTINUOUS, Tags.LIST],
+                     dims=(None, n)),
+    ])
+
+
+def _quantity_batches(tmp_path, columns):
+    """The fit loader's batch and the operator's inputs of the same fixed-width sessions."""
+    n = len(columns["item_id-list"][0])
+    schema = _quantity_schema(n)
+    pd.DataFrame({k: list(v) for k, v in columns.items()}).to_parquet(tmp_path / "part.parquet")
+    TensorflowMetadata.from_merlin_schema(schema).to_proto_text_file(str(tmp_path))
+    inputs = tr.TabularSequenceFeatures.from_schema(
+        schema, max_sequence_length=n, continuous_projection=8, masking="causal", d_output=16)
+    config = tr.XLNetConfig.build(d_model=16, n_head=2, n_layer=1, total_seq_length=n)
+    model = config.to_torch_model(inputs, tr.NextItemPredictionTask(weight_tying=True))
+
+    def trained():
+        return next(iter(make_loader(str(tmp_path), model, resolve_strategy("single"),
+                                     batch_size=8)))[0]
+
+    def served():
+        table = TensorTable({k: np.array(v, dtype=np.int64) for k, v in columns.items()})
+        return to_model_inputs(table, input_specs(schema), n, CPU)
+
+    return trained, served
+
+
+def test_integer_continuous_lists_are_numbers_alike_in_training_and_serving(tmp_path):
+    """A real 0 quantity is not padding, and a negative one is not a bad id."""
+    columns = {"item_id-list": [[5, 6, 7, 0], [8, 9, 0, 0]],
+               "category-list": [[1, 2, 3, 0], [4, 5, 0, 0]],
+               "qty-list": [[2, 1, 0, 0], [-1, 3, 0, 0]]}
+    trained, served = _quantity_batches(tmp_path, columns)
+    batch, inputs = trained(), served()
+    for name, rows in columns.items():
+        assert batch[name].tolist() == rows, f"fit loader, {name}"
+        assert inputs[name].tolist() == rows, f"operator, {name}"
+    assert inputs["qty-list"].dtype == torch.float32  # what T4R's continuous projection takes
+
+
+def test_id_lists_that_disagree_are_refused_alike_in_training_and_serving(tmp_path):
+    columns = {"item_id-list": [[5, 6, 7, 0], [8, 9, 0, 0]],
+               "category-list": [[1, 2, 3, 0], [4, 0, 0, 0]],
+               "qty-list": [[2, 1, 0, 0], [1, 1, 0, 0]]}
+    trained, served = _quantity_batches(tmp_path, columns)
+    expected = (r"row 1: the list inputs disagree on the session's length: "
+                r"\{'item_id-list': 2, 'category-list': 1, 'qty-list': 'at most 4'\}")
+    with pytest.raises(SessionLengthError, match=expected):
+        trained()
+    with pytest.raises(InvalidRequestError, match=expected):
+        served()

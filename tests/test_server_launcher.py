@@ -74,9 +74,11 @@ def test_tritonserver_on_path_works_with_merlins_own_launcher(small_repository):
 
     model, path = small_repository
     assert os.path.dirname(shutil.which("tritonserver")) == os.path.dirname(sys.executable)
-    with run_triton_server(str(path), grpc_port=free_port()) as client:
+    port = free_port()
+    with run_triton_server(str(path), grpc_port=port) as client:
+        # The session's shared servers are children of this process too: take Merlin's.
         (server,) = [p for p in psutil.Process().children(recursive=True)
-                     if p.name() == "tritonserver"]
+                     if p.name() == "tritonserver" and f"--grpc-port={port}" in p.cmdline()]
         # Merlin asks for gRPC on "localhost" and says nothing of HTTP and metrics.
         assert _listening_addresses(server.pid) <= {"127.0.0.1", "::1"}
         df = factories.random_sessions(3, np.random.default_rng(1))

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -116,6 +117,20 @@ def test_eval_metrics_are_exact_not_mean_of_batch_means(data, tmp_path, arch, ba
         assert metrics[f"eval_/next-item/{name}"] == pytest.approx(exact, abs=1e-6), name
         differs += abs(mean_of_means - exact) > 1e-3
     assert differs, "test data should make mean-of-batch-means differ from the exact mean"
+
+
+def test_evaluate_takes_every_form_of_eval_dataset(data, tmp_path):
+    # A directory as os.PathLike, or a merlin.io.Dataset, passed to evaluate() is what is
+    # evaluated, not silently replaced by eval_dataset_or_path.
+    from merlin.io import Dataset
+
+    trainer = _trainer(data, tmp_path, model=make_model(data["schema"], seed=3))
+    train_dir = os.path.dirname(data["train"][0])
+    expected = trainer.evaluate(train_dir)["eval_/loss"]
+    assert expected != pytest.approx(trainer.evaluate()["eval_/loss"], rel=1e-6)
+    for form in (pathlib.Path(train_dir), Dataset(data["train"], engine="parquet")):
+        loss = trainer.evaluate(form)["eval_/loss"]
+        assert loss == pytest.approx(expected, rel=1e-6), type(form).__name__
 
 
 def test_eval_matches_transformers4rec_single_process(data, tmp_path):
@@ -243,15 +258,13 @@ def test_ddp_predict_gathers_top_k_on_rank_0_only(ddp_predict_run, tmp_path):
     assert rank1["phases"]["predict_top_k"]["predictions"] is None
     gathered = rank0["phases"]["predict_top_k"]["predictions"]
     assert gathered["shapes"] == [[200, 100], [200, 100]]
-    # The same rows as one process predicting the whole set (ranks' shards in rank order).
+    # Unshuffled, rank r holds the r-th contiguous half of the rows, and rank 0 concatenates
+    # the ranks in rank order: the same rows in the same order as one process predicting all.
     schema = make_schema(n_items=BIG_CATALOGUE)
     single = Trainer(model=make_model(schema), args=make_args(str(tmp_path), predict_top_k=100),
                      strategy="single", schema=schema).predict(evals)
-    ours = sorted(zip(map(tuple, gathered["scores"]), map(tuple, gathered["ids"])))
-    theirs = sorted(zip(map(tuple, single.predictions[1].tolist()),
-                        map(tuple, single.predictions[0].tolist())))
-    assert [ids for _, ids in ours] == [ids for _, ids in theirs]
-    np.testing.assert_allclose([s for s, _ in ours], [s for s, _ in theirs], rtol=1e-5)
+    np.testing.assert_array_equal(np.array(gathered["ids"]), single.predictions[0])
+    np.testing.assert_allclose(np.array(gathered["scores"]), single.predictions[1], rtol=1e-5)
 
 
 def test_ddp_evaluate_and_predict_do_not_hold_every_ranks_scores(ddp_predict_run):

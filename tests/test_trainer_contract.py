@@ -152,3 +152,29 @@ def test_predict_with_several_tasks_matches_transformers4rec(top_k, tmp_path_fac
     assert our_preds["next-item"][0].shape == our_preds["next-item"][1].shape == (50, 5)
     assert our_preds["click/binary_classification_task"].shape == (50,)
     assert our_preds["rating/regression_task"].shape == (50,)
+
+
+# ---- evaluate(): log_predictions -------------------------------------------------------------
+
+
+def test_evaluate_logs_predictions_like_transformers4rec(sessions, tmp_path):
+    # T4R's evaluation loop hands each batch's top-k ids and scores, labels and batch metrics
+    # to log_predictions_callback when args.log_predictions is set.
+    model = make_model(make_schema(), arch="gpt2", seed=6)
+    ours, theirs = _both(model, tmp_path, make_schema(), predict_top_k=5, log_predictions=True)
+    logged = {}
+    for name, trainer in (("ours", ours), ("theirs", theirs)):
+        calls = logged[name] = []
+        trainer.log_predictions_callback = lambda **kwargs: calls.append(kwargs)  # noqa: B023
+        trainer.compute_metrics, trainer.eval_dataset_or_path = True, sessions["eval"]
+        trainer.evaluate()
+    assert len(logged["ours"]) == len(logged["theirs"]) == 7, {k: len(v) for k, v in logged.items()}
+    for our_call, their_call in zip(logged["ours"], logged["theirs"]):
+        assert set(our_call) == set(their_call)
+        assert our_call["dataset_type"] == their_call["dataset_type"] == "eval"
+        np.testing.assert_array_equal(our_call["labels"], their_call["labels"])
+        np.testing.assert_array_equal(our_call["pred_item_ids"], their_call["pred_item_ids"])
+        np.testing.assert_allclose(our_call["pred_item_scores"], their_call["pred_item_scores"],
+                                   rtol=1e-5, atol=1e-6)
+        assert our_call["pred_item_scores"].dtype == np.float32
+        assert set(our_call["metrics"]) == set(their_call["metrics"])

@@ -193,25 +193,32 @@ def test_ddp_resume_matches_uninterrupted_ddp_run(data, uneven_run):
     assert [h["epoch"] for h in info0["history"]] == [1, 2]
 
 
-def test_ddp_resume_with_node_local_disks_follows_rank_0(data, uneven_run):
-    """Each rank its own checkpoint directory; only rank 0's holds last.pt (epoch 2).
+@pytest.mark.parametrize("holder", [0, 1])
+def test_ddp_resume_with_node_local_disks_follows_the_newest_checkpoint(data, uneven_run, holder):
+    """Each rank its own checkpoint directory; only one holds last.pt (epoch 2).
 
-    f663f0b: rank 0 resumed at epoch 3, rank 1 started over at epoch 1, and the run hung.
+    holder 0, f663f0b: rank 0 resumed at epoch 3, rank 1 started over at epoch 1, and the
+    run hung. holder 1 is rank 0 restarted on another node than the one that wrote the
+    file (torchrun's c10d rendezvous does not keep ranks on their nodes): before, both
+    ranks silently started over and the two finished epochs were lost.
     """
     uninterrupted, ckpt = uneven_run
-    local = data["root"] / "node-local"
+    local = data["root"] / f"node-local-{holder}"
     for rank in (0, 1):
         (local / str(rank)).mkdir(parents=True)
-    shutil.copy(ckpt / "last.pt", local / "0" / "last.pt")
+    shutil.copy(ckpt / "last.pt", local / str(holder) / "last.pt")
     ranks, _ = torchrun(
-        data["root"] / "out-node-local", "--task", "binary", "--train", data["uneven"],
-        "--batch-size", 16, "--shuffle", "--checkpoint-dir", local / "{rank}", "--epochs", 3,
-        "--resume", "--model-seed", 9, timeout=120,
+        data["root"] / f"out-node-local-{holder}", "--task", "binary", "--train",
+        data["uneven"], "--batch-size", 16, "--shuffle", "--checkpoint-dir", local / "{rank}",
+        "--epochs", 3, "--resume", "--model-seed", 9, timeout=120,
     )
     (info0, w0), (info1, w1) = ranks
     assert_same_weights(w0, w1)
     assert [h["epoch"] for h in info0["history"]] == [1, 2, 3]
     assert [h["epoch"] for h in info1["history"]] == [1, 2, 3]
-    # Rank 1 took epochs 1-2 from rank 0's file.
+    # Both ranks took epochs 1-2 from the holder's file.
+    assert info0["history"][:2] == uninterrupted[0][0]["history"]
     assert info1["history"][:2] == uninterrupted[0][0]["history"]
-    assert load_checkpoint(local / "0")["epoch"] == 3 and os.listdir(local / "1") == []
+    assert load_checkpoint(local / "0")["epoch"] == 3
+    if holder == 0:
+        assert os.listdir(local / "1") == []

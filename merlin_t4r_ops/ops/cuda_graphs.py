@@ -22,6 +22,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from merlin_t4r_ops.arguments import is_positive_int
 from merlin_t4r_ops.errors import T4ROpsError
 
 __all__ = [
@@ -53,13 +54,13 @@ def check_buckets(buckets: Optional[Iterable[int]]) -> Tuple[int, ...]:
     if buckets is None:
         return ()
     buckets = tuple(buckets)
-    bad = [b for b in buckets if isinstance(b, bool) or not isinstance(b, int) or b < 1]
+    bad = [b for b in buckets if not is_positive_int(b)]
     if bad:
         raise T4ROpsError(
             f"cuda_graph_buckets must be positive ints (batch sizes), got {bad[0]!r} in "
             f"{buckets!r}"
         )
-    return tuple(sorted(set(buckets)))
+    return tuple(sorted({int(b) for b in buckets}))
 
 
 def bucket_for(rows: int, buckets: Sequence[int]) -> Optional[int]:
@@ -171,7 +172,9 @@ class CudaGraphBuckets:
     def __call__(self, inputs: Tensors) -> Tensors:
         """Pad ``inputs`` (CPU or device tensors of one request) to its bucket, replay, cut.
 
-        Returns the request's rows of every output, on the CPU.
+        Returns copies of the request's rows of every output, on the device: the static
+        outputs are overwritten by the next replay, and a caller may work on them further
+        (the operator masks a request's seen items on the scores) before it copies to the host.
         """
         rows = next(iter(inputs.values())).shape[0]
         bucket = self.bucket_for(rows)
@@ -184,7 +187,7 @@ class CudaGraphBuckets:
             for name, value in inputs.items():
                 captured.inputs[name].copy_(pad_rows(value, bucket), non_blocking=True)
             captured.graph.replay()
-            return {name: value.cpu() for name, value in cut_rows(captured.outputs, rows).items()}
+            return {name: value.clone() for name, value in cut_rows(captured.outputs, rows).items()}
 
     def report(self) -> List[str]:
         """One line per bucket: captured with its memory, or why it runs eagerly."""

@@ -25,6 +25,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from merlin_t4r_ops.errors import T4ROpsError
+from merlin_t4r_ops.ops.cuda_graphs import log_load
 
 __all__ = [
     "choose_device",
@@ -129,21 +130,13 @@ def choose_device(
     return _checked_gpu(instance_index % max(cuda_count, 1), cuda_count, why)
 
 
-def _log_to_triton(message: str) -> None:
-    try:
-        import triton_python_backend_utils as pb_utils  # only inside a Triton stub
-    except ImportError:
-        return
-    pb_utils.Logger.log_info(message)
-
-
 def resolve_device(requested: Union[str, torch.device, None]) -> torch.device:
     """:func:`choose_device` for the Triton instance now loading, if any; logged to Triton."""
     args = triton_instance_args()
     kind, device_id, index = instance_placement(args)
     device = choose_device(requested, kind, device_id, torch.cuda.device_count(), index)
     if args is not None:
-        _log_to_triton(
+        log_load(
             f"PredictT4RPyTorch in {args.get('model_instance_name')} "
             f"(KIND_{kind}, device {device_id}) runs on {device}"
         )

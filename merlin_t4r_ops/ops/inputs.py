@@ -14,7 +14,7 @@ import torch
 
 from merlin.schema import Schema, Tags
 from merlin_t4r_ops.errors import InvalidRequestError
-from merlin_t4r_ops.sequence import crop_and_pad, crop_and_pad_rows, padded_lengths
+from merlin_t4r_ops.sequence import crop_and_pad, crop_and_pad_rows, session_lengths
 
 __all__ = ["InputSpec", "input_specs", "to_model_inputs"]
 
@@ -33,9 +33,9 @@ def input_specs(schema: Schema) -> List[InputSpec]:
     """One :class:`InputSpec` per column of a T4R model's input schema."""
     specs = []
     for column in schema:
-        categorical = Tags.CATEGORICAL in column.tags or np.issubdtype(
-            column.dtype.to_numpy, np.integer
-        )
+        # As T4R's from_schema: ids are the CATEGORICAL columns; an integer CONTINUOUS one
+        # (a quantity) is numbers, where 0 and negatives are values.
+        categorical = Tags.CATEGORICAL in column.tags
         domain = column.int_domain
         # T4R sizes each embedding table int_domain.max + 1 rows.
         cardinality = int(domain.max) + 1 if categorical and domain and domain.max else None
@@ -123,7 +123,7 @@ def to_model_inputs(
 
     columns = {}
     for spec in specs:
-        column = table[spec.name]
+        column = table[spec.name].cpu()  # a GPU workflow hands over cupy or CUDA columns
         values = np.asarray(column.values)
         if spec.is_list and column.offsets is not None:
             lengths = _lengths_from_offsets(spec.name, column.offsets, len(values))
@@ -151,7 +151,10 @@ def to_model_inputs(
     for spec in specs:
         values, lengths = columns[spec.name]
         columns[spec.name] = (_checked_values(spec, values), lengths)
-    session = _session_lengths(specs, columns)
+    # The rule training's loaders follow: ragged lengths, or right-padded columns.
+    lists = {spec.name: columns[spec.name][0] if columns[spec.name][1] is None
+             else columns[spec.name][1] for spec in specs if spec.is_list}
+    session = session_lengths(lists, [spec.name for spec in specs if spec.is_categorical])
 
     tensors = {}
     for spec in specs:
@@ -175,44 +178,3 @@ def _checked_values(spec: InputSpec, values: np.ndarray) -> np.ndarray:
             f"input {spec.name!r}: expected numbers, got dtype {values.dtype}"
         )
     return values.astype(np.float32, copy=False)
-
-
-def _session_lengths(specs: List[InputSpec], columns) -> Optional[np.ndarray]:
-    """The one length per session that every list column agrees on, or None if none tells.
-
-    Ragged columns tell it by their offsets, fixed-width id columns by where their padding
-    (id 0) starts; a fixed-width column of floats can only be too narrow for it.
-
-    Raises
-    ------
-    InvalidRequestError
-        Naming the first row whose list columns disagree, and each column's length there.
-    """
-    known, widths = {}, {}
-    for spec in specs:
-        values, lengths = columns[spec.name]
-        if not spec.is_list:
-            continue
-        if lengths is not None:
-            known[spec.name] = lengths
-        elif spec.is_categorical:
-            known[spec.name] = padded_lengths(values)
-        else:
-            widths[spec.name] = values.shape[1]
-    if not known:
-        return None
-    session = next(iter(known.values()))
-    bad = np.zeros(len(session), dtype=bool)
-    for name, lengths in known.items():
-        bad |= lengths != session
-    for name, width in widths.items():
-        bad |= session > width
-    if bad.any():
-        row = int(np.argmax(bad))
-        found = {name: int(lengths[row]) for name, lengths in known.items()}
-        found.update({name: f"at most {width}" for name, width in widths.items()})
-        raise InvalidRequestError(
-            f"row {row}: the list inputs disagree on the session's length: {found}; every list "
-            "column holds one value per event of the session"
-        )
-    return session

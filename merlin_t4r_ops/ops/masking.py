@@ -56,8 +56,8 @@ def seen_items(table, column: str, device: torch.device) -> Tuple[torch.Tensor, 
     Call it after :func:`merlin_t4r_ops.ops.inputs.to_model_inputs`, which has checked the
     offsets and that every id lies inside the embedding table.
     """
-    values = np.asarray(table[column].values)
-    offsets = table[column].offsets
+    host = table[column].cpu()  # a GPU workflow hands over cupy or CUDA columns
+    values, offsets = np.asarray(host.values), host.offsets
     if offsets is not None:
         lengths = np.diff(np.asarray(offsets))
     else:

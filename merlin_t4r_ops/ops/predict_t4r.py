@@ -2,6 +2,7 @@
 
 import copy
 import threading
+import weakref
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
@@ -11,6 +12,7 @@ import torch
 from merlin.dag import BaseOperator, ColumnSelector
 from merlin.schema import ColumnSchema, Schema, Tags
 from merlin.table import TensorTable
+from merlin_t4r_ops.arguments import is_positive_int
 from merlin_t4r_ops.errors import SchemaMismatchError, T4ROpsError
 from merlin_t4r_ops.ops.artifacts import load_model, save_model
 from merlin_t4r_ops.ops.collisions import calling_node, refuse_colliding_outputs
@@ -24,6 +26,7 @@ from merlin_t4r_ops.ops.masking import (
 )
 from merlin_t4r_ops.ops.skeleton import holds_any
 from merlin_t4r_ops.sequence import resolve_sequence_length
+from merlin_t4r_ops.wrappers import unwrap_model
 
 __all__ = ["PredictT4RPyTorch"]
 
@@ -32,12 +35,17 @@ TOP_K_SCORES = "item_id_scores"
 _SCORES = "__scores__"  # the captured output when seen ids are masked after the graph
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while isinstance(
-        model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
-    ):
-        model = model.module
-    return model
+# T4R keeps per-call state on the model's modules, so every operator over one model must
+# take the same lock; keyed weakly, so that the lock goes with the model.
+_MODEL_LOCKS: "weakref.WeakKeyDictionary[torch.nn.Module, threading.Lock]" = (
+    weakref.WeakKeyDictionary())
+_MODEL_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model: torch.nn.Module) -> threading.Lock:
+    """The one lock that every operator over ``model`` (unwrapped) calls it under."""
+    with _MODEL_LOCKS_GUARD:
+        return _MODEL_LOCKS.setdefault(model, threading.Lock())
 
 
 def _without_top_k(model: torch.nn.Module) -> torch.nn.Module:
@@ -78,11 +86,13 @@ class PredictT4RPyTorch(BaseOperator):
         ``item_ids``, as ``model.output_schema`` gives it with ``model.top_k`` set) is
         recognised: its ``item_ids`` dtype is kept, and ``top_k`` columns are declared.
     top_k : int, optional
-        For next-item prediction: return the ``top_k`` best items as ``item_ids`` (int32,
-        the encoded ids the model scores) and ``item_id_scores`` (float32), each
+        For next-item prediction: return the ``top_k`` best items as ``item_ids`` (the
+        encoded ids the model scores) and ``item_id_scores`` (float32), each
         ``[batch, top_k]``, instead of the full score matrix. Default ``model.top_k``
         (T4R's way to ask for a top-k at inference); a value given here takes precedence
-        over it. Ids that stand for no item never appear: the padding id, and for an
+        over it. The ids' dtype: ``output_schema``'s if given; with ``model.top_k``
+        adopted, T4R's (its ``model.output_schema``, the item-id column's dtype, as
+        ``model(batch)`` returns them); with this ``top_k``, int32 (half the bytes). Ids that stand for no item never appear: the padding id, and for an
         item-id column made by NVTabular's ``Categorify`` its null and out-of-vocabulary
         ids, as its schema says. A ``top_k`` larger than the ids left is refused here.
     exclude_seen : bool, default False
@@ -135,13 +145,18 @@ class PredictT4RPyTorch(BaseOperator):
         cuda_graph_buckets: Optional[Sequence[int]] = DEFAULT_BUCKETS,
     ):
         super().__init__()
-        model = _unwrap(model)
-        top_k = top_k if top_k is not None else getattr(model, "top_k", None)
-        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        model = unwrap_model(model)
+        if top_k is None and getattr(model, "top_k", None) is not None:
+            # Adopting T4R's top-k: answer as T4R does, in its schema's item_ids dtype.
+            top_k = model.top_k
+            output_schema = model.output_schema if output_schema is None else output_schema
+        if top_k is not None and not is_positive_int(top_k):
             raise T4ROpsError(f"top_k must be a positive int or None, got {top_k!r}")
+        top_k = None if top_k is None else int(top_k)
         if not isinstance(output_prefix, str):
             raise T4ROpsError(f"output_prefix must be a str, got {output_prefix!r}")
         self.model = _without_top_k(model)
+        self._lock = model_lock(model)
         # Copies, so that building the op never changes the caller's schemas.
         self._input_schema = Schema(list(
             (input_schema if input_schema is not None else self.model.input_schema)
@@ -159,7 +174,6 @@ class PredictT4RPyTorch(BaseOperator):
         self.requested_device = None if device is None else str(device)
         self._specs = input_specs(self._input_schema)
         self._artifact_dir = new_folder_name()
-        self._lock = threading.Lock()
         self.cuda_graph_buckets = check_buckets(cuda_graph_buckets)
 
     # -- graph contract ------------------------------------------------------------------
@@ -294,7 +308,7 @@ class PredictT4RPyTorch(BaseOperator):
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the loaded model is this op's own
 
     def save_artifacts(self, artifact_path=None) -> None:
         """Write the model's weights, structure and checksums under ``artifact_path``.

@@ -7,6 +7,10 @@ executor model declares, with the dtypes and shapes the server's own model metad
 a scalar column goes as ``[rows]`` where the model declares ``[-1]`` (Merlin declares every
 scalar column so), as ``[rows, 1]`` where it declares ``[-1, 1]``. Both ``tritonclient.grpc``
 and ``tritonclient.http`` clients work.
+
+A model exported with :class:`merlin_t4r_ops.runtime.BatchingTritonRuntime` has a batch
+dimension (``max_batch_size > 0``): each request is one batch entry, so every array is sent
+with a leading dimension of 1 and every output comes back with one, which is dropped.
 """
 
 import importlib
@@ -22,6 +26,7 @@ from merlin_t4r_ops.errors import InvalidRequestError
 __all__ = [
     "arrays_to_inputs", "dataframe_arrays", "dataframe_to_inputs", "response_to_dataframe",
     "infer_dataframe", "model_metadata", "client_protocol", "protocol_module",
+    "has_batch_dimension",
 ]
 
 EXECUTOR_MODEL = "executor_model"
@@ -56,6 +61,15 @@ def model_metadata(client, model_name: str) -> dict:
     for spec in metadata.get("inputs", []) + metadata.get("outputs", []):
         spec["shape"] = [int(dim) for dim in spec.get("shape", [])]
     return metadata
+
+
+def has_batch_dimension(client, model_name: str) -> bool:
+    """Whether ``model_name`` takes each request as one batch entry (``max_batch_size > 0``)."""
+    if client_protocol(client).__name__ == "tritonclient.grpc":
+        config = client.get_model_config(model_name, as_json=True)["config"]
+    else:  # the HTTP client answers the config itself, as JSON
+        config = client.get_model_config(model_name)
+    return int(config.get("max_batch_size", 0)) > 0
 
 
 def _input_specs(metadata: dict) -> Tuple[Dict[str, np.dtype], Dict[str, List[int]]]:
@@ -148,10 +162,13 @@ def dataframe_arrays(
     return arrays
 
 
-def arrays_to_inputs(arrays: Dict[str, np.ndarray], protocol="grpc"):
-    """``tritonclient`` ``InferInput`` objects for named numpy arrays, sent as they are.
+def arrays_to_inputs(arrays: Dict[str, np.ndarray], protocol="grpc", *,
+                     batch_dimension: bool = False):
+    """``tritonclient`` ``InferInput`` objects for named numpy arrays.
 
-    ``protocol`` is ``"grpc"``, ``"http"``, or the ``tritonclient`` module itself.
+    ``protocol`` is ``"grpc"``, ``"http"``, or the ``tritonclient`` module itself. With
+    ``batch_dimension``, each array gets the leading dimension of 1 that a model with a batch
+    dimension takes a request as; otherwise the arrays are sent as they are.
     """
     if isinstance(protocol, str):
         protocol = protocol_module(protocol)
@@ -159,6 +176,8 @@ def arrays_to_inputs(arrays: Dict[str, np.ndarray], protocol="grpc"):
 
     inputs = []
     for name, array in arrays.items():
+        if batch_dimension:
+            array = array[None]
         infer_input = protocol.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
         infer_input.set_data_from_numpy(array)
         inputs.append(infer_input)
@@ -166,9 +185,14 @@ def arrays_to_inputs(arrays: Dict[str, np.ndarray], protocol="grpc"):
 
 
 def dataframe_to_inputs(df: pd.DataFrame, dtypes: Dict[str, np.dtype], protocol="grpc",
-                        shapes: Optional[Dict[str, List[int]]] = None):
-    """``tritonclient`` ``InferInput`` objects for the rows of ``df``."""
-    return arrays_to_inputs(dataframe_arrays(df, dtypes, shapes), protocol)
+                        shapes: Optional[Dict[str, List[int]]] = None, *,
+                        batch_dimension: bool = False):
+    """``tritonclient`` ``InferInput`` objects for the rows of ``df``.
+
+    ``shapes`` are the shapes of one request, without the batch dimension.
+    """
+    return arrays_to_inputs(dataframe_arrays(df, dtypes, shapes), protocol,
+                            batch_dimension=batch_dimension)
 
 
 def _text(array: np.ndarray) -> np.ndarray:
@@ -180,18 +204,24 @@ def _text(array: np.ndarray) -> np.ndarray:
     return np.array(flat, dtype=object).reshape(array.shape)
 
 
-def response_to_dataframe(response, output_names: Sequence[str]) -> pd.DataFrame:
+def response_to_dataframe(response, output_names: Sequence[str], *,
+                          batch_dimension: bool = False) -> pd.DataFrame:
     """A DataFrame of the outputs: 2-D outputs and ragged pairs become list columns.
 
+    With ``batch_dimension``, the leading dimension of 1 of every output is dropped first.
     String outputs (Triton BYTES) come back as ``str``, the way the ensemble returned them.
     """
+    def output(name):
+        array = _text(response.as_numpy(name))
+        return array[0] if batch_dimension else array
+
     columns = {}
     for name in output_names:
         if name.endswith(_OFFSETS):
             continue
-        array = _text(response.as_numpy(name))
+        array = output(name)
         if name.endswith(_VALUES):
-            offsets = response.as_numpy(name[: -len(_VALUES)] + _OFFSETS)
+            offsets = output(name[: -len(_VALUES)] + _OFFSETS)
             columns[name[: -len(_VALUES)]] = np.split(array, offsets[1:-1])
         elif array.ndim > 1 and array.shape[1] > 1:
             columns[name] = list(array)
@@ -207,6 +237,7 @@ def infer_dataframe(
     model_name: str = EXECUTOR_MODEL,
     output_names: Optional[List[str]] = None,
     dtypes: Optional[Dict[str, np.dtype]] = None,
+    batch_dimension: Optional[bool] = None,
 ) -> pd.DataFrame:
     """Send ``df`` to ``model_name``; return the outputs as a DataFrame.
 
@@ -224,6 +255,10 @@ def infer_dataframe(
         Input name to numpy dtype. When given, and ``output_names`` too, no metadata is
         fetched and scalar columns go as ``[rows]``; otherwise the model's metadata gives
         every input's dtype and shape.
+    batch_dimension : bool, optional
+        Whether the model takes each request as one batch entry (exported with
+        :class:`merlin_t4r_ops.runtime.BatchingTritonRuntime`); read from the server's model
+        config when omitted.
     """
     protocol = client_protocol(client)
     shapes = None
@@ -233,9 +268,13 @@ def infer_dataframe(
         dtypes = dtypes or known_dtypes
         if output_names is None:
             output_names = [spec["name"] for spec in metadata["outputs"]]
+    if batch_dimension is None:
+        batch_dimension = has_batch_dimension(client, model_name)
+    if batch_dimension and shapes:  # the metadata's shapes start with the batch dimension
+        shapes = {name: shape[1:] for name, shape in shapes.items()}
     response = client.infer(
         model_name,
-        dataframe_to_inputs(df, dtypes, protocol, shapes),
+        dataframe_to_inputs(df, dtypes, protocol, shapes, batch_dimension=batch_dimension),
         outputs=[protocol.InferRequestedOutput(name) for name in output_names],
     )
-    return response_to_dataframe(response, output_names)
+    return response_to_dataframe(response, output_names, batch_dimension=batch_dimension)

@@ -14,6 +14,7 @@ local disks resume from the same state.
 """
 
 import io
+import logging
 import os
 import random
 from typing import Optional
@@ -32,6 +33,8 @@ __all__ = [
     "rng_state",
     "set_rng_state",
 ]
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = "last.pt"
 _FORMAT = 1
@@ -159,30 +162,42 @@ def load_checkpoint(
     map_location : optional
         Passed to ``torch.load``.
     state : DistributedState, optional
-        Under DDP, call on every rank: rank 0 reads its own ``checkpoint_dir``
-        and broadcasts the file's bytes, so every rank resumes from rank 0's
-        checkpoint even when each node has its own disk (where only rank 0's
-        holds the file ``save_checkpoint`` wrote). Otherwise each process reads
-        its own directory.
+        Under DDP, call on every rank: the ranks compare the epochs of their own
+        ``checkpoint_dir`` and the rank holding the newest checkpoint broadcasts its
+        bytes, so every rank resumes from the same state even when each node has its
+        own disk and rank 0 came back on another node than the one that wrote
+        ``last.pt`` (torchrun's c10d rendezvous does not keep ranks on their nodes).
+        Otherwise each process reads its own directory.
 
     Returns
     -------
     dict or None
-        None when rank 0's directory holds no checkpoint yet (on every rank).
+        None when no rank's directory holds a checkpoint yet (on every rank).
 
     Raises
     ------
     CheckpointError
-        The file cannot be read, or not as a checkpoint of this format; under
-        DDP every rank raises, so none waits for the others.
+        A file cannot be read, or not as a checkpoint of this format; under DDP every
+        rank raises, naming the ranks whose files failed, so none waits for the others.
     """
     path = os.path.join(os.fspath(checkpoint_dir), CHECKPOINT_NAME)
     if state is not None and state.is_distributed:
-        data = _broadcast_from_rank0(path, state)
-    else:
-        data = _read(path)
-    if data is None:
+        return _newest_across_ranks(path, state, map_location)
+    data = _read(path)
+    return None if data is None else _parse(data, path, map_location)
+
+
+def _read(path) -> Optional[bytearray]:
+    if not os.path.exists(path):
         return None
+    try:
+        with open(path, "rb") as stream:
+            return bytearray(stream.read())
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {path!r} cannot be read: {exc}") from exc
+
+
+def _parse(data, path, map_location) -> dict:
     try:
         payload = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same failure to callers
@@ -195,45 +210,63 @@ def load_checkpoint(
     return payload
 
 
-def _read(path) -> Optional[bytes]:
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path, "rb") as stream:
-            return stream.read()
-    except OSError as exc:
-        raise CheckpointError(f"checkpoint {path!r} cannot be read: {exc}") from exc
-
-
 _NO_FILE, _UNREADABLE = -1, -2
+_CHUNK_BYTES = 64 << 20  # broadcast piece: the whole file never sits on the GPU at once
 
 
-def _broadcast_from_rank0(path, state: DistributedState) -> Optional[bytes]:
-    """Rank 0's checkpoint bytes on every rank, or None on every rank if it has none.
+def _newest_across_ranks(path, state: DistributedState, map_location) -> Optional[dict]:
+    """The newest checkpoint of any rank's own directory, on every rank, or None on all.
 
-    Bytes in a uint8 tensor, not a pickled object (``broadcast_object_list``), so
-    every rank still loads them through the weights-only unpickler. Rank 0 sends
-    a status instead when it has nothing to send, so the other ranks never wait.
+    Bytes travel in uint8 tensors, not pickled objects (``broadcast_object_list``), so
+    every rank still loads them through the weights-only unpickler. Every rank reaches
+    the same collectives whatever it found, so a missing or broken file never hangs.
     """
-    data, error = None, None
-    if state.is_main_process:
-        try:
-            data = _read(path)
-        except CheckpointError as exc:
-            error = exc
-    status = _UNREADABLE if error else (_NO_FILE if data is None else len(data))
-    size = torch.tensor([status], dtype=torch.int64, device=state.device)
-    dist.broadcast(size, src=0)
-    size = int(size.item())
-    if size == _UNREADABLE:
-        raise error or CheckpointError(f"rank 0 cannot read its checkpoint {path!r}; see its log")
-    if size == _NO_FILE:
+    payload, error = None, None
+    try:
+        data = _read(path)
+        payload = None if data is None else _parse(data, path, map_location)
+    except CheckpointError as exc:
+        data, error = None, exc
+    status = _UNREADABLE if error else (_NO_FILE if payload is None else int(payload["epoch"]))
+    statuses = _all_gather_ints(status, state)
+    broken = [rank for rank, s in enumerate(statuses) if s == _UNREADABLE]
+    if broken:
+        raise CheckpointError(
+            f"rank(s) {broken} cannot load their checkpoint {path!r}"
+            + (f": {error}" if error else "; see their logs")
+        )
+    newest = max(statuses)
+    if newest == _NO_FILE:
         return None
-    if size == 0:
-        return b""  # an empty file: every rank fails to load it alike
-    if state.is_main_process:
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(state.device)
-    else:
-        buffer = torch.empty(size, dtype=torch.uint8, device=state.device)
-    dist.broadcast(buffer, src=0)
-    return data if state.is_main_process else buffer.cpu().numpy().tobytes()
+    source = statuses.index(newest)
+    if state.is_main_process and any(s != newest for s in statuses):
+        logger.warning("checkpoint epochs per rank are %s; every rank resumes from rank %d's "
+                       "(epoch %d)", statuses, source, newest)
+    received = _broadcast_bytes(data, source, state)
+    return payload if state.rank == source else _parse(received, path, map_location)
+
+
+def _all_gather_ints(value: int, state: DistributedState) -> list:
+    mine = torch.tensor([value], dtype=torch.int64, device=state.device)
+    everyone = [torch.empty_like(mine) for _ in range(state.world_size)]
+    dist.all_gather(everyone, mine)
+    return [int(t.item()) for t in everyone]
+
+
+def _broadcast_bytes(data: Optional[bytearray], source: int, state: DistributedState):
+    """``source``'s bytes on every rank, sent in pieces through one device buffer."""
+    size = torch.tensor([len(data) if state.rank == source else 0], dtype=torch.int64,
+                        device=state.device)
+    dist.broadcast(size, src=source)
+    size = int(size.item())
+    out = data if state.rank == source else bytearray(size)
+    host = torch.frombuffer(out, dtype=torch.uint8)
+    buffer = torch.empty(min(size, _CHUNK_BYTES), dtype=torch.uint8, device=state.device)
+    for start in range(0, size, _CHUNK_BYTES):
+        piece, end = buffer[: min(_CHUNK_BYTES, size - start)], min(start + _CHUNK_BYTES, size)
+        if state.rank == source:
+            piece.copy_(host[start:end])
+        dist.broadcast(piece, src=source)
+        if state.rank != source:
+            host[start:end].copy_(piece)
+    return out

@@ -238,6 +238,7 @@ class ShardedLoader:
         self.equal_shards = equal_shards
         self.max_sequence_length = max_sequence_length
         self.list_columns = [c.name for c in schema if c.is_list]
+        self.id_columns = [c.name for c in schema if Tags.CATEGORICAL in c.tags]
         self.partition_lengths = _partition_lengths(dataset)
 
     def set_epoch(self, epoch: int) -> None:
@@ -299,7 +300,7 @@ class ShardedLoader:
             return
         pad = None
         if self.max_sequence_length:
-            pad = pad_lists_fn(self.max_sequence_length, self.list_columns)
+            pad = pad_lists_fn(self.max_sequence_length, self.list_columns, self.id_columns)
         for x, y in loader:
             if pad:
                 x, y = pad(x, y)

@@ -11,13 +11,14 @@ one replica per chunk and concatenates the replicas' outputs. A T4R model's
   returns NaN, and the whole step becomes NaN.
 
 :class:`ReplicaLoss` makes every replica also return its loss *sum* and target
-count; :func:`batch_loss` divides their totals, which is the loss one device
+count for each task; :func:`batch_loss` divides their totals task by task and
+adds them with the model's task and head weights, which is the loss one device
 computes over the whole batch, and a replica without targets adds nothing.
 ``fit``, ``evaluate`` and the ``Trainer`` all wrap with :func:`data_parallel`
 and read the loss with :func:`batch_loss`.
 """
 
-from typing import Tuple
+from typing import Iterator, Tuple
 
 import torch
 
@@ -25,52 +26,96 @@ __all__ = ["ReplicaLoss", "data_parallel", "forward_batch", "batch_loss", "loss_
 
 
 def target_count(labels) -> int:
-    """How many targets a T4R output's ``labels`` hold (its loss is a mean over them).
+    """How many targets a task's ``labels`` hold (its loss is a mean over them).
 
-    A tensor has one target per row along dim 0 (next-item: one per masked
-    position). With several tasks, ``labels`` is a dict and the largest count
-    is used: exact when the tasks share their rows, an approximation otherwise
-    (the model returns only the weighted sum of its task losses).
+    One target per row along dim 0 (next-item: one per masked position).
     """
-    if isinstance(labels, dict):
-        return max((target_count(v) for v in labels.values()), default=0)
     return int(labels.shape[0]) if labels.dim() > 0 else 1
 
 
-def loss_sum_and_count(output: dict) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(loss_sum, n_targets)`` of a batch: totals of a DataParallel output, or of one pass.
+def loss_sum_and_count(output: dict, model=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(loss_sum, n_targets)`` of a batch, per task: of a DataParallel output, or of one pass.
 
     Parameters
     ----------
     output : dict
         ``model(x, targets=y, training=True)`` or ``testing=True`` output, with
         ``loss`` and ``labels``; or a gathered :class:`ReplicaLoss` output,
-        which carries ``loss_sum`` and ``n_targets`` per replica.
+        which carries ``loss_sum`` and ``n_targets`` per replica and task.
+    model : transformers4rec.torch.Model, optional
+        Required when the model has several tasks (``labels`` is a dict): each
+        task's loss is a mean over its *own* targets (next-item: masked
+        positions; others: rows), so it is recomputed from the task's
+        ``predictions`` and ``labels`` and weighted as the model's loss weighs it.
 
     Returns
     -------
     tuple of torch.Tensor
-        Two 0-dim tensors. ``loss_sum`` is 0 (not NaN) when ``n_targets`` is 0
-        and keeps the autograd graph of ``loss``.
+        Two 1-D tensors with one entry per task; ``batch loss = sum(loss_sum /
+        n_targets)``. A ``loss_sum`` is 0 (not NaN) where its ``n_targets`` is
+        0 and keeps the autograd graph of the loss.
     """
     if "loss_sum" in output:
-        return output["loss_sum"].sum(), output["n_targets"].sum()
-    loss = output["loss"].reshape(())
-    n = torch.tensor(float(target_count(output["labels"])), dtype=loss.dtype, device=loss.device)
+        return output["loss_sum"].sum(0), output["n_targets"].sum(0)
+    if not isinstance(output["labels"], dict):
+        return _weighted_sum(output["loss"].reshape(()), output["labels"], 1.0)
+    if model is None:
+        raise ValueError("loss_sum_and_count needs the model when it has several tasks")
+    sums, counts = zip(*(
+        _weighted_sum(
+            task.loss(output["predictions"][name], output["labels"][name]),
+            output["labels"][name],
+            weight,
+        )
+        for name, task, weight in _weighted_tasks(model)
+    ))
+    return torch.cat(sums), torch.cat(counts)
+
+
+def _weighted_sum(loss: torch.Tensor, labels, weight: float):
+    n = torch.tensor(float(target_count(labels)), dtype=loss.dtype, device=loss.device)
     # torch.where, not a product: NaN * 0 is NaN. No gradient reaches the empty loss.
-    return torch.where(n > 0, loss * n, torch.zeros_like(loss)), n
+    total = torch.where(n > 0, loss * n * weight, torch.zeros_like(loss))
+    return total.reshape(1), n.reshape(1)
+
+
+def _weighted_tasks(model) -> Iterator[Tuple[str, torch.nn.Module, float]]:
+    """``(name, task, weight)``: the model's loss is the sum of weight x the task's mean loss.
+
+    It follows ``transformers4rec.torch.Model.forward`` and ``Head.forward``:
+    task weights, then the head's ``loss_reduction``, head weights, then the
+    model's ``head_reduction``.
+    """
+    heads = list(model.heads)
+    for head, head_weight in zip(heads, model.head_weights):
+        tasks = head.prediction_task_dict
+        scale = _reduction_scale(model.head_reduction, len(heads)) * _reduction_scale(
+            head.loss_reduction, len(tasks)
+        )
+        for name, task in tasks.items():
+            yield name, task, head_weight * head._task_weights[name] * scale
+
+
+def _reduction_scale(reduction: str, n: int) -> float:
+    if reduction not in ("mean", "sum"):
+        raise ValueError(
+            f"loss reduction {reduction!r} is not supported with several tasks: the loss of a "
+            "batch split over replicas is exact for 'mean' and 'sum' only"
+        )
+    return 1.0 / n if reduction == "mean" else 1.0
 
 
 def batch_loss(output: dict) -> torch.Tensor:
-    """The mean loss over all targets of a batch, as one device computes it.
+    """The loss of a batch as one device computes it.
 
-    A :class:`ReplicaLoss` output (DataParallel) gives ``sum(loss_sum) /
-    sum(n_targets)``: each replica weighted by its targets, replicas without
-    targets ignored. A single pass gives its ``loss`` unchanged.
+    A :class:`ReplicaLoss` output (DataParallel) gives ``sum(loss_sum /
+    n_targets)`` over tasks, each summed over replicas: each replica weighted
+    by its targets of each task, replicas without targets ignored. A single
+    pass gives its ``loss`` unchanged.
     """
     if "loss_sum" in output:
         total, n = loss_sum_and_count(output)
-        return total / n
+        return (total / n).sum()
     loss = output["loss"]
     return loss.mean() if loss.dim() > 0 else loss
 
@@ -81,15 +126,20 @@ class ReplicaLoss(torch.nn.Module):
     Parameters
     ----------
     model : transformers4rec.torch.Model
-        Kept as ``self.model`` (not ``module``, which Hugging Face's and this
-        package's ``unwrap_model`` would look through when deciding to wrap).
+        Kept as ``self.model``, not ``module``: Hugging Face's ``unwrap_model``
+        follows every ``.module`` and would take a ReplicaLoss for a wrapper
+        when deciding whether to wrap. This package's
+        :func:`~merlin_t4r_ops.training.state.unwrap_model` looks through it
+        explicitly.
 
     Notes
     -----
-    Both are 1-element tensors, so DataParallel gathers them into one entry
-    per replica (a 0-dim ``loss`` would make it warn and unsqueeze). Inference
+    Both are ``[1, tasks]`` tensors, so DataParallel gathers them into one
+    row per replica (a 0-dim ``loss`` would make it warn and unsqueeze). Inference
     outputs (no ``loss``) pass through unchanged.
     """
+
+    wraps_model = True  # merlin_t4r_ops.wrappers.unwrap_model looks through it
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
@@ -99,12 +149,12 @@ class ReplicaLoss(torch.nn.Module):
         output = self.model(inputs, targets=targets, training=training, testing=testing)
         if not isinstance(output, dict) or "loss" not in output:
             return output
-        loss_sum, n = loss_sum_and_count(output)
+        loss_sum, n = loss_sum_and_count(output, self.model)
         return {
             **output,
             "loss": output["loss"].reshape(1),
-            "loss_sum": loss_sum.reshape(1),
-            "n_targets": n.reshape(1),
+            "loss_sum": loss_sum.reshape(1, -1),
+            "n_targets": n.reshape(1, -1),
         }
 
 

@@ -67,8 +67,9 @@ class MetricAccumulator:
     Notes
     -----
     Names follow T4R's: ``next-item/ndcg_at_10``, ``click/binary_classification_task/binary_precision``,
-    ``rating/regression_task/mean_squared_error``, plus ``loss`` (mean over all
-    targets of the eval set: each batch, and under DataParallel each replica,
+    ``rating/regression_task/mean_squared_error``, plus ``loss`` (each task's
+    mean over all its targets of the eval set, weighted as the model's loss
+    weighs its tasks: each batch, and under DataParallel each replica,
     weighted by its number of targets; see
     :func:`~merlin_t4r_ops.training.data_parallel.loss_sum_and_count`).
     Ranking metrics reuse each T4R ranking metric's per-example ``_metric``, so
@@ -78,6 +79,7 @@ class MetricAccumulator:
 
     def __init__(self, model, state: DistributedState):
         self.state = state
+        self.model = unwrap_model(model)
         self.tasks = [(name, task, _kind(task)) for name, task in prediction_tasks(model)]
         self._sums: Dict[str, torch.Tensor] = {}
         self._layout: List[Tuple[str, int]] = []
@@ -111,7 +113,7 @@ class MetricAccumulator:
             metrics (dicts keyed by task name when the model has several
             tasks). Without ``predictions`` only the loss is accumulated.
         """
-        loss_sum, n_targets = loss_sum_and_count(output)
+        loss_sum, n_targets = loss_sum_and_count(output, self.model)
         self._add("loss/sum", loss_sum)
         self._add("loss/n", n_targets)
         if output.get("predictions") is None:
@@ -181,7 +183,8 @@ class MetricAccumulator:
         return self._finish(totals)
 
     def _keys_and_sizes(self):
-        keys, sizes = ["loss/sum", "loss/n"], [1, 1]
+        # One loss sum and count per task (see loss_sum_and_count).
+        keys, sizes = ["loss/sum", "loss/n"], [len(self.tasks)] * 2
         for name, task, kind in self.tasks:
             if kind == "next-item":
                 for metric in self._ranking[name]:
@@ -201,7 +204,7 @@ class MetricAccumulator:
         def ratio(a, b):
             return float(a / b) if float(b) > 0 else 0.0
 
-        result = {"loss": ratio(totals["loss/sum"][0], totals["loss/n"][0])}
+        result = {"loss": sum(ratio(s, n) for s, n in zip(totals["loss/sum"], totals["loss/n"]))}
         for name, task, kind in self.tasks:
             if kind == "next-item":
                 n = totals[f"{name}/n"][0]

@@ -19,6 +19,8 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import concatenate
+from transformers.trainer_pt_utils import nested_numpify
 
 from merlin_t4r_ops.training.state import DistributedState
 
@@ -96,7 +98,9 @@ def gather_to_main(pieces: list, state: DistributedState):
     numpy arrays in the structure of one piece (tuple, dict) on the main
     process; ``None`` on every other DDP rank, and where no rank had a batch.
     """
-    local = _nested_cat(pieces) if pieces else None
+    # accelerate's concatenate cats all batches at once; Hugging Face's pairwise
+    # nested_concat would copy the growing result once per batch.
+    local = concatenate(pieces) if pieces else None
     if state.is_distributed:
         everyone = [None] * state.world_size if state.is_main_process else None
         # Objects, not tensors: ranks may hold different numbers of rows.
@@ -104,33 +108,5 @@ def gather_to_main(pieces: list, state: DistributedState):
         if not state.is_main_process:
             return None
         everyone = [x for x in everyone if x is not None]
-        local = _nested_cat(everyone) if everyone else None
-    return _nested_numpy(local)
-
-
-def to_cpu(x):
-    """Detach a nested structure of tensors and move it to the CPU."""
-    if isinstance(x, dict):
-        return {k: to_cpu(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(to_cpu(v) for v in x)
-    return x.detach().cpu()
-
-
-def _nested_cat(pieces):
-    first = pieces[0]
-    if isinstance(first, dict):
-        return {k: _nested_cat([p[k] for p in pieces]) for k in first}
-    if isinstance(first, (list, tuple)):
-        return type(first)(_nested_cat([p[i] for p in pieces]) for i in range(len(first)))
-    return torch.cat(pieces, dim=0)
-
-
-def _nested_numpy(x):
-    if x is None:
-        return None
-    if isinstance(x, dict):
-        return {k: _nested_numpy(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_nested_numpy(v) for v in x)
-    return x.numpy()
+        local = concatenate(everyone) if everyone else None
+    return None if local is None else nested_numpify(local)

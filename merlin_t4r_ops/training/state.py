@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from merlin_t4r_ops.errors import StrategyError
-from merlin_t4r_ops.training.data_parallel import ReplicaLoss, data_parallel
+from merlin_t4r_ops.wrappers import unwrap_model
+from merlin_t4r_ops.training.data_parallel import data_parallel
 
 __all__ = ["DistributedState", "resolve_strategy", "prepare_model", "unwrap_model", "STRATEGIES"]
 
@@ -24,7 +25,6 @@ logger = logging.getLogger(__name__)
 
 STRATEGIES = ("auto", "single", "dp", "ddp")
 
-_WRAPPERS = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
 
 
 @dataclass(frozen=True)
@@ -219,23 +219,6 @@ def _resolve_ddp(env_rank, env_world, env_local, launched, pg_ready, n_gpus, rea
         device = torch.device("cpu")
     backend_used = dist.get_backend()
     return DistributedState("ddp", rank, local, world, device, f"{reason}; backend {backend_used}")
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Return the model inside ``DataParallel``/``DistributedDataParallel``/``ReplicaLoss``.
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-
-    Returns
-    -------
-    torch.nn.Module
-        ``model`` itself when it is not wrapped.
-    """
-    while isinstance(model, _WRAPPERS + (ReplicaLoss,)):
-        model = model.model if isinstance(model, ReplicaLoss) else model.module
-    return model
 
 
 def prepare_model(

@@ -29,11 +29,11 @@ loop and the saving/logging guards.
 """
 
 import contextlib
-import logging
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import send_to_device
 from transformers.trainer_pt_utils import find_batch_size
 from transformers.trainer_utils import EvalLoopOutput
 from transformers.training_args import ParallelMode
@@ -53,12 +53,10 @@ from merlin_t4r_ops.training.data_parallel import (
     loss_sum_and_count,
 )
 from merlin_t4r_ops.training.metrics import MetricAccumulator, prediction_tasks
-from merlin_t4r_ops.training.predictions import check_top_k, gather_to_main, select_top_k, to_cpu
+from merlin_t4r_ops.training.predictions import check_top_k, gather_to_main, select_top_k
 from merlin_t4r_ops.training.state import DistributedState, resolve_strategy, unwrap_model
 
 __all__ = ["Trainer"]
-
-logger = logging.getLogger(__name__)
 
 
 class Trainer(T4RTrainer):
@@ -156,10 +154,14 @@ class Trainer(T4RTrainer):
         return self._merlin_loader(self.train_dataset_or_path, self.args.train_batch_size, True)
 
     def get_eval_dataloader(self, eval_dataset=None):
-        """Eval loader sharded by global rank, every row once (ranks may differ by a batch)."""
+        """Eval loader sharded by global rank, every row once (ranks may differ by a batch).
+
+        ``eval_dataset`` (path, ``os.PathLike``, list of them or
+        ``merlin.io.Dataset``) replaces ``eval_dataset_or_path`` when given.
+        """
         if self.eval_dataloader is not None:
             return self.eval_dataloader
-        path = eval_dataset if isinstance(eval_dataset, (str, list)) else self.eval_dataset_or_path
+        path = eval_dataset if eval_dataset is not None else self.eval_dataset_or_path
         return self._merlin_loader(path, self.args.eval_batch_size, False)
 
     def get_test_dataloader(self, test_dataset=None):
@@ -220,7 +222,7 @@ class Trainer(T4RTrainer):
             outputs = forward_batch(model, features, targets, training=training, testing=testing)
         if not testing:
             return None, (None if prediction_loss_only else nested_detach(outputs)), None, None
-        loss_sum, n_targets = loss_sum_and_count(outputs)
+        loss_sum, n_targets = loss_sum_and_count(outputs, unwrap_model(model))
         stats = {"loss_sum": loss_sum.detach(), "n_targets": n_targets.detach()}
         loss = batch_loss(outputs).detach()
         if prediction_loss_only:
@@ -271,9 +273,11 @@ class Trainer(T4RTrainer):
             )
             if testing:
                 acc.update({**stats, "predictions": preds, "labels": labels})
+                if preds is not None:
+                    self._log_batch(core, step, preds, labels, next_items, metric_key_prefix)
             elif keep_predictions:
                 top_k = select_top_k(preds, next_items, self.args.predict_top_k, core.top_k)
-                predictions.append(to_cpu(top_k))
+                predictions.append(send_to_device(top_k, "cpu"))
             self.control = self.callback_handler.on_prediction_step(
                 self.args, self.state, self.control
             )
@@ -290,6 +294,28 @@ class Trainer(T4RTrainer):
             metrics=metrics,
             num_samples=self._global_sum(n_rows),
         )
+
+    def _log_batch(self, core, step, preds, labels, next_items, metric_key_prefix) -> None:
+        """T4R's ``args.log_predictions``: a batch's top-k to ``log_predictions_callback``.
+
+        As T4R's loop does: only with a top-k (``predict_top_k``, or a model
+        whose output is already its top-k), with this rank's labels of the
+        next-item task and the batch's ``model.calculate_metrics`` every
+        ``compute_metrics_each_n_steps`` batches (``None`` in between).
+        """
+        if not (self.args.log_predictions and self.log_predictions_callback and next_items):
+            return
+        top_k = select_top_k(preds, next_items, self.args.predict_top_k, core.top_k)
+        next_item = top_k[next_items[0]] if isinstance(top_k, dict) else top_k
+        if not isinstance(next_item, tuple):  # full scores: T4R logs nothing
+            return
+        batch_metrics = None
+        if step % self.args.compute_metrics_each_n_steps == 0:
+            batch_metrics = core.calculate_metrics(preds, labels)
+            core.reset_metrics()  # torchmetrics would otherwise keep every batch's state
+        ids, scores = next_item
+        labels = labels[next_items[0]] if isinstance(labels, dict) else labels
+        self._maybe_log_predictions(labels, ids, scores, batch_metrics, metric_key_prefix)
 
     def _global_sum(self, n: int) -> int:
         if not self.dist_state.is_distributed:

@@ -1,0 +1,139 @@
+"""Merge the requests of one ``execute`` call into one table of rows, and split the answer back.
+
+The batching runtime gives every Merlin tensor of a request a leading batch dimension of 1
+(``<col>__values`` ``[1, n]``, ``<col>__offsets`` ``[1, rows + 1]``, a scalar column
+``[1, rows]``), so that Triton's dynamic batcher, which needs one batch dimension shared by
+every input of a request, can hand one ``execute`` several requests. Here each request is
+checked on its own (offsets first, before merlin-core builds a ``TensorColumn`` from them),
+the good ones are concatenated row-wise, and the graph's outputs are cut back into one piece
+per request, in order. Nothing here needs Triton, so it is tested in process.
+"""
+
+from typing import Dict, List, NamedTuple, Sequence
+
+import numpy as np
+
+from merlin.schema import Schema
+from merlin.table import TensorTable
+from merlin_t4r_ops.errors import InvalidRequestError
+from merlin_t4r_ops.ops.inputs import _lengths_from_offsets
+
+__all__ = ["RequestRows", "request_rows", "concat_requests", "split_outputs", "with_batch_dim"]
+
+VALUES, OFFSETS = "__values", "__offsets"
+Arrays = Dict[str, np.ndarray]
+
+
+class RequestRows(NamedTuple):
+    """One request's tensors without their batch dimension, and its number of rows."""
+
+    arrays: Arrays
+    rows: int
+
+
+def _without_batch_dim(name: str, array: np.ndarray) -> np.ndarray:
+    if array.ndim == 0 or array.shape[0] != 1:
+        raise InvalidRequestError(
+            f"input {name!r}: this model takes each request as one batch entry, so its "
+            f"leading dimension must be 1, got shape {list(array.shape)}"
+        )
+    return array[0]
+
+
+def request_rows(arrays: Arrays, schema: Schema) -> RequestRows:
+    """Check one request's tensors against the ensemble's input ``schema``.
+
+    Parameters
+    ----------
+    arrays : dict of str to numpy.ndarray
+        Triton input name to array, each with its leading batch dimension of 1.
+    schema : merlin.schema.Schema
+        The ensemble's input schema.
+
+    Raises
+    ------
+    InvalidRequestError
+        Naming the input: a batch dimension other than 1, offsets that are not integers,
+        do not start at 0, decrease, or miss the number of values, and inputs that disagree
+        on the number of rows.
+    """
+    stripped = {name: _without_batch_dim(name, array) for name, array in arrays.items()}
+    rows = {}
+    for column in schema:
+        if column.is_ragged:
+            values, offsets = column.name + VALUES, column.name + OFFSETS
+            lengths = _lengths_from_offsets(offsets, stripped[offsets], len(stripped[values]))
+            rows[offsets] = len(lengths)
+        else:
+            rows[column.name] = len(stripped[column.name])
+    if len(set(rows.values())) > 1:
+        raise InvalidRequestError(f"inputs disagree on the number of rows: {rows}")
+    return RequestRows(stripped, next(iter(rows.values()), 0))
+
+
+def concat_requests(requests: Sequence[RequestRows], schema: Schema) -> TensorTable:
+    """One ``TensorTable`` holding the rows of ``requests`` one after the other."""
+    merged = {}
+    for column in schema:
+        if column.is_ragged:
+            values, offsets = column.name + VALUES, column.name + OFFSETS
+            merged[values] = np.concatenate([r.arrays[values] for r in requests])
+            merged[offsets] = _concat_offsets([r.arrays[offsets] for r in requests])
+        else:
+            merged[column.name] = np.concatenate([r.arrays[column.name] for r in requests])
+    return TensorTable(merged)
+
+
+def _concat_offsets(parts: List[np.ndarray]) -> np.ndarray:
+    shifted, base = [parts[0][:1]], 0
+    for offsets in parts:
+        shifted.append(offsets[1:] + (base - offsets[0]))
+        base += int(offsets[-1] - offsets[0])
+    return np.concatenate(shifted).astype(parts[0].dtype, copy=False)
+
+
+def split_outputs(outputs: TensorTable, rows: Sequence[int]) -> List[Arrays]:
+    """Cut the graph's ``outputs`` into one dict of arrays per request of ``rows`` rows.
+
+    The outputs of a single request are its answer whatever their number of rows.
+
+    Raises
+    ------
+    ValueError
+        When, for several requests, an output column does not have one row per input row (a
+        graph that filters or adds rows cannot be split back by row).
+    """
+    if len(rows) == 1:
+        return [{name: _numpy(array) for name, array in outputs.to_dict().items()}]
+    bounds = np.cumsum([0, *rows])
+    pieces: List[Arrays] = [{} for _ in rows]
+    for name in outputs.columns:
+        column = outputs[name]
+        values = _numpy(column.values)
+        offsets = None if column.offsets is None else _numpy(column.offsets)
+        n_rows = len(values) if offsets is None else len(offsets) - 1
+        if n_rows != bounds[-1]:
+            raise ValueError(
+                f"output {name!r} has {n_rows} rows for {bounds[-1]} input rows; "
+                "only a graph that keeps one output row per input row can be batched"
+            )
+        for piece, start, stop in zip(pieces, bounds[:-1], bounds[1:]):
+            if offsets is None:
+                piece[name] = values[start:stop]
+            else:
+                piece[name + VALUES] = values[offsets[start]:offsets[stop]]
+                piece[name + OFFSETS] = offsets[start:stop + 1] - offsets[start]
+    return pieces
+
+
+def _numpy(array) -> np.ndarray:
+    if hasattr(array, "get"):  # cupy
+        array = array.get()
+    elif hasattr(array, "cpu"):  # torch
+        array = array.cpu().numpy()
+    return np.asarray(array)
+
+
+def with_batch_dim(arrays: Arrays) -> Arrays:
+    """``arrays`` with the leading batch dimension of 1 that the responses carry."""
+    return {name: np.ascontiguousarray(array)[None] for name, array in arrays.items()}

@@ -1,0 +1,148 @@
+"""Runtimes for ``Ensemble.export(path, runtime=...)``: instances, and batching across requests.
+
+Both subclass Merlin's ``TritonExecutorRuntime`` and change only what its
+``_executor_model_export`` writes for the executor model; the operators, their artifacts and
+``ensemble.pkl`` are exported by Merlin as they are without a runtime.
+"""
+
+import importlib.resources
+import shutil
+from pathlib import Path
+from typing import Optional, Sequence
+
+from google.protobuf import text_format
+from merlin.systems.dag.runtimes.triton import TritonExecutorRuntime
+
+from merlin_t4r_ops.errors import T4ROpsError
+from merlin_t4r_ops.runtime.instances import instance_group
+from merlin_t4r_ops.runtime.rowwise import cross_row_ops
+
+__all__ = ["TritonRuntime", "BatchingTritonRuntime"]
+
+
+class TritonRuntime(TritonExecutorRuntime):
+    """Merlin's Triton runtime, with the executor's ``instance_group`` chosen at export.
+
+    Parameters
+    ----------
+    instances : int
+        Copies of the executor model; with ``instance_kind="gpu"``, copies **per GPU**, on
+        each GPU (:func:`merlin_t4r_ops.runtime.instances.instance_group`).
+    instance_kind : {"auto", "cpu", "gpu"}
+        Triton's ``KIND_AUTO`` (Merlin's default), ``KIND_CPU`` or ``KIND_GPU``.
+    gpus : sequence of int, optional
+        Only these GPUs (``instance_kind="gpu"``).
+
+    Examples
+    --------
+    >>> ensemble.export("model_repository", runtime=TritonRuntime(instances=2, instance_kind="gpu"))
+    """
+
+    def __init__(self, *, instances: int = 1, instance_kind: str = "auto",
+                 gpus: Optional[Sequence[int]] = None):
+        super().__init__()
+        self.instance_group = instance_group(instances, instance_kind, gpus)
+
+    def _executor_model_export(self, path, export_name, ensemble, params=None, node_id=None,
+                               version=1):
+        """Merlin's export of the executor model, then this runtime's config and model.py."""
+        config = super()._executor_model_export(
+            path, export_name, ensemble, params=params, node_id=node_id, version=version
+        )
+        self.adapt_config(config)
+        model_dir = Path(path) / config.name
+        (model_dir / "config.pbtxt").write_text(text_format.MessageToString(config))
+        self.write_model_py(model_dir / str(version) / "model.py")
+        return config
+
+    def adapt_config(self, config) -> None:
+        """Change Merlin's executor ``ModelConfig`` in place: here, its instance group."""
+        del config.instance_group[:]
+        config.instance_group.append(self.instance_group)
+
+    def write_model_py(self, target: Path) -> None:
+        """Merlin's executor ``model.py`` is kept as Merlin wrote it."""
+
+
+class BatchingTritonRuntime(TritonRuntime):
+    """Export an ensemble whose executor runs once for all the requests Triton batches.
+
+    Triton's dynamic batcher needs one batch dimension shared by every input of a request,
+    and Merlin's ragged ``<col>__values``/``<col>__offsets`` inputs have none
+    (``max_batch_size: 0``). This runtime declares ``max_batch_size > 0`` with
+    ``allow_ragged_batch`` on every input, so each request is one batch entry whose tensors
+    carry a leading dimension of 1 (``merlin_t4r_ops.serving.client`` sends them so), and
+    copies :mod:`merlin_t4r_ops.runtime.executor_model` as the executor's ``model.py``: it
+    concatenates the rows of the requests, runs the graph once and answers each request with
+    its own rows. ``benchmarks/batching_encodings.py`` measured why this encoding was chosen.
+
+    Parameters
+    ----------
+    max_batch_size : int
+        Most **requests** (not rows) in one ``execute`` call.
+    max_queue_delay_us : int
+        How long Triton may hold a request to fill a batch (``dynamic_batching``'s
+        ``max_queue_delay_microseconds``). 0 batches only requests already queued while the
+        model was busy, adding no latency when idle.
+    preferred_batch_sizes : sequence of int, optional
+        Triton's ``preferred_batch_size``, in requests.
+    instances, instance_kind, gpus
+        As for :class:`TritonRuntime`.
+
+    Raises
+    ------
+    T4ROpsError
+        At export, when the graph holds an operator that answers a row from other rows
+        (NVTabular's ``Groupby``, ``Filter``, ``Dropna``, ``DifferenceLag``): batched, it
+        would mix requests. Export such an ensemble with :class:`TritonRuntime`.
+
+    Examples
+    --------
+    >>> ensemble.export("model_repository",
+    ...                 runtime=BatchingTritonRuntime(max_queue_delay_us=500))
+    """
+
+    def __init__(self, *, max_batch_size: int = 64, max_queue_delay_us: int = 0,
+                 preferred_batch_sizes: Optional[Sequence[int]] = None, instances: int = 1,
+                 instance_kind: str = "auto", gpus: Optional[Sequence[int]] = None):
+        super().__init__(instances=instances, instance_kind=instance_kind, gpus=gpus)
+        _check_count("max_batch_size", max_batch_size, minimum=1)
+        _check_count("max_queue_delay_us", max_queue_delay_us, minimum=0)
+        for size in preferred_batch_sizes or ():
+            _check_count("preferred_batch_sizes", size, minimum=1, maximum=max_batch_size)
+        self.max_batch_size = max_batch_size
+        self.max_queue_delay_us = max_queue_delay_us
+        self.preferred_batch_sizes = list(preferred_batch_sizes or ())
+
+    def export(self, ensemble, path, version=1, name=None):
+        """Merlin's export, for a graph that answers each row from that row alone."""
+        crossing = cross_row_ops(ensemble)
+        if crossing:
+            raise T4ROpsError(
+                f"BatchingTritonRuntime runs the rows of several requests as one table, but "
+                f"this ensemble's {crossing} combine or drop rows, which would mix requests; "
+                "export it with TritonRuntime (or ensemble.export(path)) instead"
+            )
+        return super().export(ensemble, path, version=version, name=name)
+
+    def adapt_config(self, config) -> None:
+        """Batch dimension, ragged batching on every input, and the dynamic batcher."""
+        super().adapt_config(config)
+        config.max_batch_size = self.max_batch_size
+        for model_input in config.input:
+            model_input.allow_ragged_batch = True
+        config.dynamic_batching.max_queue_delay_microseconds = self.max_queue_delay_us
+        config.dynamic_batching.preferred_batch_size[:] = self.preferred_batch_sizes
+
+    def write_model_py(self, target: Path) -> None:
+        """This package's batching executor in place of Merlin's."""
+        source = importlib.resources.files("merlin_t4r_ops.runtime") / "executor_model.py"
+        with importlib.resources.as_file(source) as executor_model:
+            shutil.copyfile(executor_model, target)
+
+
+def _check_count(name, value, *, minimum, maximum=None):
+    if (not isinstance(value, int) or isinstance(value, bool) or value < minimum
+            or (maximum is not None and value > maximum)):
+        bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+        raise T4ROpsError(f"{name} must be an int {bound}, got {value!r}")
