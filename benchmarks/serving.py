@@ -318,7 +318,8 @@ def path_calls(path, df, inputs_dtypes, cpu_inputs, ops, ensembles, server):
                         outputs = op._device_outputs(
                             {k: v.to(op.device) for k, v in cpu_inputs.items()})
                     return nbytes({k: v.cpu() for k, v in outputs.items()})
-                return nbytes(graphs(cpu_inputs))
+                # To the host, as op.predict does: a replay alone returns before the GPU ends.
+                return nbytes({k: v.cpu() for k, v in graphs(cpu_inputs).items()})
             return call
         return make
     if path == "compiled":
