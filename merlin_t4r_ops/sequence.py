@@ -142,6 +142,11 @@ def resolve_sequence_length(
     return width
 
 
+def _on_host(array) -> np.ndarray:
+    """A numpy view of lengths or ids, wherever they live (the index math runs on the host)."""
+    return array.cpu().numpy() if isinstance(array, torch.Tensor) else np.asarray(array)
+
+
 def crop_and_pad(values, lengths, width: int):
     """``[rows, width, ...]``: each row's last ``min(length, width)`` values, then zeros.
 
@@ -159,7 +164,7 @@ def crop_and_pad(values, lengths, width: int):
     torch.Tensor or numpy.ndarray
         Of the same kind, dtype and device as ``values``.
     """
-    lengths = lengths.cpu().numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
+    lengths = _on_host(lengths)
     kept = np.minimum(lengths, width)
     positions = np.arange(width)
     inside = positions[None, :] < kept[:, None]
@@ -177,7 +182,7 @@ def crop_and_pad(values, lengths, width: int):
 
 def crop_and_pad_rows(matrix, lengths, width: int):
     """:func:`crop_and_pad` for right-padded ``[rows, n]`` lists whose rows hold ``lengths``."""
-    lengths = lengths.cpu().numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
+    lengths = _on_host(lengths)
     held = np.arange(matrix.shape[1])[None, :] < lengths[:, None]
     if isinstance(matrix, torch.Tensor):
         held = torch.from_numpy(held).to(matrix.device)
@@ -189,7 +194,7 @@ def padded_lengths(ids) -> np.ndarray:
 
     Id 0 is T4R's padding id, so trailing zeros are padding.
     """
-    nonzero = np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids) != 0
+    nonzero = _on_host(ids) != 0
     last = nonzero.shape[1] - np.argmax(nonzero[:, ::-1], axis=1)
     return np.where(nonzero.any(axis=1), last, 0).astype(np.int64)
 
@@ -224,7 +229,7 @@ def session_lengths(lists: Mapping, id_columns: Iterable[str]) -> Optional[np.nd
     known, widths = {}, {}
     for name, value in lists.items():
         if value.ndim == 1:
-            known[name] = np.asarray(value.cpu() if isinstance(value, torch.Tensor) else value)
+            known[name] = _on_host(value)
         elif name in id_columns:
             known[name] = padded_lengths(value)
         else:

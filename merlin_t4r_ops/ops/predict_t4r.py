@@ -121,7 +121,8 @@ class PredictT4RPyTorch(BaseOperator):
     -----
     Calls are safe from several threads (``Ensemble.transform`` behind a threaded web
     server): T4R keeps per-call tensors on its modules, so the forward pass, the masking
-    and the top-k of one call run under the operator's lock, one call at a time.
+    and the top-k of one call run under a lock of the model's, which every operator over
+    the same model shares: one call at a time.
 
     Examples
     --------
