@@ -23,6 +23,7 @@ HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU, torch sees none")
 KINDS = ["xlnet-causal", "gpt2", "xlnet-mlm", "bert"]  # causal and masked models
 RTOL, ATOL = 1e-5, 1e-5
+ITEMS = "item_id-list"
 
 
 def _requests(rows, seed):
@@ -172,11 +173,20 @@ def test_captured_equals_eager_at_every_bucket(gpu_ops, form):
             assert_same_top_k(got, want, full.predict(table)["next-item"])
 
 
+def _long_requests(rows, seed, max_len):
+    df = factories.random_sessions(rows, np.random.default_rng(seed), max_len=max_len)
+    width = int(df[ITEMS].map(len).max())
+    fixed = {name: np.stack([np.pad(s, (0, width - len(s))) for s in df[name]])
+             for name in df.columns}
+    return {"ragged": TensorTable.from_df(df), "fixed": TensorTable(fixed)}
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("form", ["ragged", "fixed"])
-def test_exclude_seen_after_the_graph_equals_eager(form):
-    """The graph stops at the scores; the seen items of each request are masked after it."""
+@pytest.mark.parametrize("max_len", [factories.SEQ_LEN, 150], ids=["short", "longer-than-64"])
+def test_exclude_seen_in_the_graph_equals_eager(form, max_len):
+    """The graph masks each session's recent items; a longer one's older items after it."""
     model = factories.next_item_model("xlnet-causal", seed=8).cuda()
     captured = PredictT4RPyTorch(model, top_k=10, exclude_seen=True, cuda_graph_buckets=(1, 4, 16))
     eager = PredictT4RPyTorch(model, top_k=10, exclude_seen=True, cuda_graph_buckets=None)
@@ -184,7 +194,7 @@ def test_exclude_seen_after_the_graph_equals_eager(form):
     assert captured._graphs.covered == (1, 4, 16), captured._graphs.summary()
     for rows in (1, 3, 16):
         for seed in (rows, rows + 100):
-            table = _requests(rows, seed)[form]
+            table = _long_requests(rows, seed, max_len)[form]
             got, want = captured.predict(table), eager.predict(table)
             np.testing.assert_array_equal(got["item_ids"], want["item_ids"])
             np.testing.assert_allclose(got["item_id_scores"], want["item_id_scores"],

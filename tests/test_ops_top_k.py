@@ -16,6 +16,7 @@ from merlin.table import TensorTable
 
 import t4r_factories as factories
 from merlin_t4r_ops import PredictT4RPyTorch, T4ROpsError
+from merlin_t4r_ops.ops.inputs import to_model_inputs
 from merlin_t4r_ops.ops.masking import FILLER_ID, reserved_item_ids
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -265,3 +266,53 @@ def test_local_runtime_masks_categorify_reserved_and_seen_ids(session_workflow):
     ids, values = factories.reference_top_k(scores, k, (0, 1, 2), encoded[ITEMS])
     np.testing.assert_array_equal(np.stack(out["item_ids"]), ids)
     np.testing.assert_allclose(np.stack(out["item_id_scores"]), values, rtol=RTOL, atol=ATOL)
+
+
+# -- issue 11, cost: the seen items inside a CUDA graph ----------------------------------------
+def _replay_on_the_cpu(op, bucket):
+    """What a CUDA-graph replay of ``op._captured_top_k`` returns, computed on the CPU: the
+    request padded with empty rows to ``bucket``, run, and cut back to its own rows."""
+    from merlin_t4r_ops.ops.cuda_graphs import cut_rows, pad_rows
+
+    def replay(inputs, outputs):
+        rows = len(next(iter(inputs.values())))
+        out = op._captured_top_k({k: pad_rows(v, bucket) for k, v in inputs.items()})
+        return cut_rows({name: out[name] for name in outputs}, rows)
+    return replay
+
+
+@pytest.mark.parametrize("max_len", [factories.SEQ_LEN, 150], ids=["short", "longer-than-64"])
+@pytest.mark.parametrize("form", ["ragged", "fixed"])
+def test_captured_exclusion_of_seen_items_equals_the_reference(model, max_len, form):
+    """The graph masks each session's recent items itself; older ones are masked after it.
+
+    Sessions of up to 150 items overflow the graph's 64-item seen matrix, so both halves
+    run; the answer is the slow reference over the whole session either way.
+    """
+    k, rows = 10, 5
+    df = factories.random_sessions(rows, np.random.default_rng(max_len), max_len=max_len)
+    width = int(df[ITEMS].map(len).max())
+    table = TensorTable.from_df(df) if form == "ragged" else TensorTable(
+        {name: np.stack([np.pad(s, (0, width - len(s))) for s in df[name]])
+         for name in df.columns})
+    op = PredictT4RPyTorch(model, top_k=k, exclude_seen=True)
+    inputs = to_model_inputs(table, op._specs, op.max_sequence_length, torch.device("cpu"))
+    with torch.inference_mode():  # as predict runs it
+        got = op._replay_excluding_seen(_replay_on_the_cpu(op, bucket=8), inputs, table)
+    ids, values = factories.reference_top_k(factories.eager_scores(model, df), k,
+                                            sessions=df[ITEMS])
+    np.testing.assert_array_equal(got["item_ids"].numpy(), ids)
+    np.testing.assert_allclose(got["item_id_scores"].numpy(), values, rtol=RTOL, atol=ATOL)
+    assert set(got) == {"item_ids", "item_id_scores"}
+
+
+def test_seen_matrix_keeps_the_recent_items_and_lists_the_older_ones():
+    from merlin_t4r_ops.ops.masking import seen_matrix
+
+    table = TensorTable({"items__values": np.array([5, 6, 7, 8, 9, 10, 11]),
+                         "items__offsets": np.array([0, 3, 4, 7])})
+    recent, older = seen_matrix(table, "items", width=2, filler=1)
+    np.testing.assert_array_equal(recent, [[6, 7], [8, 1], [10, 11]])
+    np.testing.assert_array_equal(older[0], [0, 2])  # rows
+    np.testing.assert_array_equal(older[1], [5, 9])  # their ids
+    assert seen_matrix(table, "items", width=3, filler=1)[1] is None  # every session fits

@@ -169,12 +169,13 @@ class CudaGraphBuckets:
         """The captured bucket a request of ``rows`` rows replays, or ``None`` (run eagerly)."""
         return bucket_for(rows, self.covered)
 
-    def __call__(self, inputs: Tensors) -> Tensors:
+    def __call__(self, inputs: Tensors, outputs: Optional[Iterable[str]] = None) -> Tensors:
         """Pad ``inputs`` (CPU or device tensors of one request) to its bucket, replay, cut.
 
-        Returns copies of the request's rows of every output, on the device: the static
-        outputs are overwritten by the next replay, and a caller may work on them further
-        (the operator masks a request's seen items on the scores) before it copies to the host.
+        Returns copies of the request's rows of the ``outputs`` named (default all), on the
+        device: the static outputs are overwritten by the next replay, and a caller may work
+        on them further (the operator masks a long session's older items on the scores)
+        before it copies to the host.
         """
         rows = next(iter(inputs.values())).shape[0]
         bucket = self.bucket_for(rows)
@@ -183,11 +184,13 @@ class CudaGraphBuckets:
                 f"no captured bucket holds {rows} rows (captured: {list(self.covered)})"
             )
         captured = self.captured[bucket]
+        names = list(captured.outputs) if outputs is None else list(outputs)
         with self._lock:
             for name, value in inputs.items():
                 captured.inputs[name].copy_(pad_rows(value, bucket), non_blocking=True)
             captured.graph.replay()
-            return {name: value.clone() for name, value in cut_rows(captured.outputs, rows).items()}
+            wanted = {name: captured.outputs[name] for name in names}
+            return {name: value.clone() for name, value in cut_rows(wanted, rows).items()}
 
     def report(self) -> List[str]:
         """One line per bucket: captured with its memory, or why it runs eagerly."""

@@ -6,6 +6,11 @@ and out-of-vocabulary ids. Those ids, and on request the items that the session 
 holds, are set to minus infinity on the scores before ``torch.topk``, on the model's
 device. :func:`mask_scores` takes scores and returns masked scores and nothing else, so a
 captured (CUDA-graph) path can call it as it is.
+
+The seen items reach the scores in one of two forms. Eagerly, every ``(row, id)`` pair of
+the request (:func:`seen_items`). In a CUDA graph, whose inputs have fixed shapes, a
+``[rows, width]`` matrix of each session's most recent ids, and the pairs of the older
+items that did not fit, masked after the replay (:func:`seen_matrix`).
 """
 
 from typing import Optional, Tuple
@@ -14,8 +19,10 @@ import numpy as np
 import torch
 
 from merlin.schema import ColumnSchema
+from merlin_t4r_ops.sequence import crop_and_pad
 
-__all__ = ["FILLER_ID", "mask_scores", "reserved_item_ids", "seen_items", "top_k_unmasked"]
+__all__ = ["FILLER_ID", "mask_scores", "reserved_item_ids", "seen_items", "seen_matrix",
+           "top_k_unmasked"]
 
 # Where a row has fewer than k ids left after masking, the rest of its top-k holds this id
 # (no item has it) with score -inf.
@@ -48,13 +55,10 @@ def reserved_item_ids(column: ColumnSchema, padding_id: int) -> Tuple[int, ...]:
                          *range(OOV_OFFSET, OOV_OFFSET + oov_ids)}))
 
 
-def seen_items(table, column: str, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(rows, ids)``: every item id of each session in ``table``, as the request sent it.
+def _session_ids(table, column: str) -> Tuple[np.ndarray, np.ndarray]:
+    """``(ids, lengths)``: the sessions' item ids one after another, and ids per session.
 
-    Nothing is cropped: the older items that padding to the model's width drops are
-    included. A fixed-width column's padding ids come along; they are reserved anyway.
-    Call it after :func:`merlin_t4r_ops.ops.inputs.to_model_inputs`, which has checked the
-    offsets and that every id lies inside the embedding table.
+    A fixed-width column's padding ids come along; they are reserved anyway.
     """
     host = table[column].cpu()  # a GPU workflow hands over cupy or CUDA columns
     values, offsets = np.asarray(host.values), host.offsets
@@ -63,15 +67,47 @@ def seen_items(table, column: str, device: torch.device) -> Tuple[torch.Tensor, 
     else:
         values = values.reshape(len(values), -1)
         lengths = np.full(len(values), values.shape[1])
+    return values.reshape(-1).astype(np.int64, copy=False), lengths
+
+
+def seen_items(table, column: str, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, ids)``: every item id of each session in ``table``, as the request sent it.
+
+    Nothing is cropped: the older items that padding to the model's width drops are
+    included. Call it after :func:`merlin_t4r_ops.ops.inputs.to_model_inputs`, which has
+    checked the offsets and that every id lies inside the embedding table.
+    """
+    ids, lengths = _session_ids(table, column)
     rows = np.repeat(np.arange(len(lengths)), lengths)
-    ids = values.reshape(-1).astype(np.int64, copy=False)
     return (torch.from_numpy(rows).to(device), torch.from_numpy(ids).to(device))
+
+
+def seen_matrix(table, column: str, width: int, filler: int
+                ) -> Tuple[np.ndarray, Optional[Tuple[np.ndarray, np.ndarray]]]:
+    """``(recent, older)``: the seen items of :func:`seen_items`, shaped for a CUDA graph.
+
+    ``recent`` is ``[rows, width]`` int64: each session's most recent ``width`` ids (the
+    rule of :func:`~merlin_t4r_ops.sequence.crop_and_pad`), then ``filler``, a reserved id,
+    so that masking it changes nothing. ``older`` is ``(rows, ids)`` of the items that did
+    not fit, or ``None`` when every session did.
+    """
+    ids, lengths = _session_ids(table, column)
+    recent = crop_and_pad(ids, lengths, width)
+    recent[np.arange(width)[None, :] >= np.minimum(lengths, width)[:, None]] = filler
+    dropped = np.maximum(lengths - width, 0)
+    if not dropped.any():
+        return recent, None
+    # The first ``dropped[r]`` ids of each row r: its start, plus 0 .. dropped[r] - 1.
+    starts = np.repeat(np.cumsum(lengths) - lengths, dropped)
+    within = np.arange(dropped.sum()) - np.repeat(np.cumsum(dropped) - dropped, dropped)
+    return recent, (np.repeat(np.arange(len(lengths)), dropped), ids[starts + within])
 
 
 def mask_scores(
     scores: torch.Tensor,
     reserved: torch.Tensor,
     seen: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    seen_recent: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``scores`` with the reserved ids, and each row's seen ids, set to ``-inf``.
 
@@ -83,8 +119,12 @@ def mask_scores(
         1-D int64 ids masked in every row, on the scores' device.
     seen : (torch.Tensor, torch.Tensor), optional
         ``(rows, ids)`` pairs masked one by one (see :func:`seen_items`).
+    seen_recent : torch.Tensor, optional
+        ``[batch, width]`` ids masked in their row (``recent`` of :func:`seen_matrix`).
     """
     scores.index_fill_(1, reserved, float("-inf"))
+    if seen_recent is not None:
+        scores.scatter_(1, seen_recent, float("-inf"))
     if seen is not None:
         scores.index_put_(seen, scores.new_tensor(float("-inf")))
     return scores

@@ -22,7 +22,7 @@ from merlin_t4r_ops.ops.device import make_current, resolve_device
 from merlin_t4r_ops.ops.export_folders import new_folder_name, replacing_earlier_exports
 from merlin_t4r_ops.ops.inputs import input_specs, to_model_inputs
 from merlin_t4r_ops.ops.masking import (
-    mask_scores, reserved_item_ids, seen_items, top_k_unmasked,
+    mask_scores, reserved_item_ids, seen_items, seen_matrix, top_k_unmasked,
 )
 from merlin_t4r_ops.ops.skeleton import holds_any
 from merlin_t4r_ops.sequence import resolve_sequence_length
@@ -32,7 +32,11 @@ __all__ = ["PredictT4RPyTorch"]
 
 TOP_K_IDS = "item_ids"
 TOP_K_SCORES = "item_id_scores"
-_SCORES = "__scores__"  # the captured output when seen ids are masked after the graph
+# With exclude_seen, a CUDA graph also reads each session's most recent seen ids (_SEEN, at
+# least SEEN_IN_GRAPH of them) and also writes the masked scores (_SCORES), on which a longer
+# session's older items are masked after the replay.
+_SEEN, _SCORES = "__seen__", "__scores__"
+SEEN_IN_GRAPH = 64
 
 
 # T4R keeps per-call state on the model's modules, so every operator over one model must
@@ -112,8 +116,9 @@ class PredictT4RPyTorch(BaseOperator):
         Where the model runs. Default: the device of the Triton model instance (a GPU
         instance gets its own GPU), else the CPU.
     cuda_graph_buckets : sequence of int, optional
-        On CUDA, the batch sizes whose forward (with masking and top-k) is captured as CUDA
-        graphs at load; a request is padded up to the next bucket and replayed, larger ones
+        On CUDA, the batch sizes whose forward (with masking and top-k; with
+        ``exclude_seen``, each session's 64 most recent items, or the model's width if
+        larger, masked in the graph too) is captured as CUDA graphs at load; a request is padded up to the next bucket and replayed, larger ones
         run eagerly (see :mod:`merlin_t4r_ops.ops.cuda_graphs`). Default 1, 2, 4, ..., 256;
         ``None`` or ``()`` runs every request eagerly. Ignored on the CPU.
 
@@ -359,25 +364,44 @@ class PredictT4RPyTorch(BaseOperator):
         """Scores for the sessions in ``table`` as numpy arrays, keyed by output column."""
         inputs = to_model_inputs(
             table, self._specs, self.max_sequence_length, torch.device("cpu"))
-        seen = (seen_items(table, self._item_id_column(), self.device)
-                if self.exclude_seen else None)
         # T4R keeps per-call tensors on its modules (the item sequence, the masking
         # schema), and a CUDA graph replays from static buffers: one call at a time.
         with self._lock, torch.inference_mode():
-            outputs = self._run(inputs, seen)
+            outputs = self._run(inputs, table)
         return {name: value.cpu().numpy() for name, value in outputs.items()}
 
-    def _run(self, inputs: Dict[str, torch.Tensor], seen) -> Dict[str, torch.Tensor]:
+    def _run(self, inputs: Dict[str, torch.Tensor], table) -> Dict[str, torch.Tensor]:
         """Replay the captured graph of the request's bucket, or run eagerly."""
         graphs = self._graph_runner()
         if graphs is not None and graphs.bucket_for(len(next(iter(inputs.values())))):
-            outputs = graphs(inputs)
-            if self.exclude_seen:  # the graph stops at the scores; seen ids vary per request
-                return self._top_k_outputs(outputs[_SCORES], seen)
-            return outputs
+            if self.exclude_seen:
+                return self._replay_excluding_seen(graphs, inputs, table)
+            return graphs(inputs)
         self._ensure_eval()
         device = self.device
+        seen = seen_items(table, self._item_id_column(), device) if self.exclude_seen else None
         return self._device_outputs({k: v.to(device) for k, v in inputs.items()}, seen)
+
+    def _replay_excluding_seen(self, replay, inputs, table) -> Dict[str, torch.Tensor]:
+        """Replay with each session's recent items masked in the graph, and the rest after.
+
+        ``replay(inputs, outputs=names)`` is a :class:`CudaGraphBuckets` over
+        :meth:`_captured_top_k`. Sessions longer than the graph's seen matrix are rare and
+        cost an eager mask and top-k on the masked scores that the graph wrote.
+        """
+        recent, older = seen_matrix(
+            table, self._item_id_column(), self._seen_width, self.reserved_item_ids[0])
+        inputs = {**inputs, _SEEN: torch.from_numpy(recent)}
+        if older is None:
+            return replay(inputs, outputs=self._output_schema.column_names)
+        masked = replay(inputs, outputs=[_SCORES])[_SCORES]
+        older = tuple(torch.from_numpy(part).to(masked.device) for part in older)
+        return self._top_k_outputs(masked, older)  # reserved ids again: already -inf
+
+    @property
+    def _seen_width(self) -> int:
+        """How many of a session's most recent items a CUDA graph masks itself."""
+        return max(SEEN_IN_GRAPH, self.max_sequence_length)
 
     def _scores(self, inputs: Dict[str, torch.Tensor]):
         """The model's forward: one score tensor per task, in ``_task_names`` order."""
@@ -403,13 +427,28 @@ class PredictT4RPyTorch(BaseOperator):
             outputs[name] = value
         return outputs
 
-    def _top_k_outputs(self, scores: torch.Tensor, seen) -> Dict[str, torch.Tensor]:
+    def _top_k_outputs(self, scores: torch.Tensor, seen=None) -> Dict[str, torch.Tensor]:
         """Mask reserved (and seen) ids on the scores' device, then take the top-k."""
-        masked = mask_scores(scores.float(), self._reserved_on(scores.device), seen)
+        return self._top_k_of(self._masked(scores, seen))
+
+    def _masked(self, scores: torch.Tensor, seen=None, seen_recent=None) -> torch.Tensor:
+        """Float scores with reserved and seen ids at ``-inf`` (the forms of
+        :func:`~merlin_t4r_ops.ops.masking.mask_scores`)."""
+        return mask_scores(scores.float(), self._reserved_on(scores.device), seen, seen_recent)
+
+    def _top_k_of(self, masked: torch.Tensor) -> Dict[str, torch.Tensor]:
         ids, values = top_k_unmasked(masked, self.top_k)
         ids_name, scores_name = self._output_schema.column_names
         id_dtype = torch.from_numpy(np.zeros(0, self._output_schema[ids_name].dtype.to_numpy))
         return {ids_name: ids.to(id_dtype.dtype), scores_name: values}
+
+    def _captured_top_k(self, inputs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """What a graph captures with ``exclude_seen``: the forward, the reserved ids and
+        the recent seen ids (``inputs[_SEEN]``) masked, the top-k; and the masked scores."""
+        inputs = dict(inputs)
+        recent = inputs.pop(_SEEN)
+        masked = self._masked(self._scores(inputs)[0], seen_recent=recent)
+        return {**self._top_k_of(masked), _SCORES: masked}
 
     def _reserved_on(self, device: torch.device) -> torch.Tensor:
         """The reserved ids as a tensor on ``device``, made once (a graph cannot copy them in)."""
@@ -421,7 +460,7 @@ class PredictT4RPyTorch(BaseOperator):
 
     # -- CUDA graphs ---------------------------------------------------------------------
     def _capture_graphs(self) -> None:
-        """Capture ``_device_outputs`` per batch bucket on CUDA, and log what runs how."""
+        """Capture the forward, masking and top-k per batch bucket on CUDA; log what runs how."""
         self._graphs = None
         buckets = getattr(self, "cuda_graph_buckets", ())
         device = self.device
@@ -432,7 +471,11 @@ class PredictT4RPyTorch(BaseOperator):
             return
         self._ensure_eval()
         example = example_request(self._specs, self.max_sequence_length)
-        self._graphs = CudaGraphBuckets(self._graph_function(), example, buckets, device)
+        function = self._device_outputs
+        if self.exclude_seen:  # a row of padding ids: reserved, masked anyway
+            example[_SEEN] = torch.full((1, self._seen_width), self.reserved_item_ids[0])
+            function = self._captured_top_k
+        self._graphs = CudaGraphBuckets(function, example, buckets, device)
         log_load(f"PredictT4RPyTorch: {self._graphs.summary()}", warning=bool(self._graphs.failed))
 
     def _graph_runner(self) -> Optional[CudaGraphBuckets]:
@@ -441,12 +484,6 @@ class PredictT4RPyTorch(BaseOperator):
         if graphs is False or (graphs is not None and graphs.device != self.device):
             self._capture_graphs()
         return self._graphs
-
-    def _graph_function(self):
-        """What the graphs capture: everything, or only the scores when seen ids are masked."""
-        if not self.exclude_seen:
-            return self._device_outputs
-        return lambda inputs: {_SCORES: self._scores(inputs)[0].float()}
 
     def transform(self, col_selector: ColumnSelector, transformable):
         """Run the model on a TensorTable or DataFrame; returns the same kind of object."""
