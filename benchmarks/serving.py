@@ -88,6 +88,9 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=20)
     p.add_argument("--items", type=int, default=50_000)
     p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--session-len", type=int, default=None,
+                   help="longest session sent, in items (default --seq-len; beyond 64, a "
+                        "captured exclude_seen masks the older items after the replay)")
     p.add_argument("--batch-sizes", default="1,64,256")
     p.add_argument("--concurrency", default="1")
     p.add_argument("--paths", default=DEFAULT_PATHS, help=f"comma-separated, of {PATHS}")
@@ -113,6 +116,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.items, args.requests, args.seconds, args.warmup, args.rounds = 1_000, 32, 1.0, 2, 2
+    args.session_len = args.session_len or args.seq_len
     args.batch1_concurrency = args.batch1_concurrency or ("8" if args.quick else "16,64")
     args.paths = [p for p in args.paths.split(",") if p]
     unknown = [p for p in args.paths if p not in PATHS]
@@ -122,15 +126,25 @@ def parse_args(argv=None):
     return args
 
 
-def build_model(args, device):
-    """An untrained causal next-item model (``args.model``) over items, categories and prices."""
+def build_model(args, device, workflow):
+    """An untrained causal next-item model (``args.model``) over items, categories and prices.
+
+    Its item column is the one ``workflow``'s Categorify made, as a real model's is: the
+    operator then reserves Categorify's ids, which ``DecodeItemIds`` refuses to decode.
+    """
     import torch
     import transformers4rec.torch as tr
+    from merlin.schema import Schema
 
     import t4r_factories as factories
 
     torch.manual_seed(0)
     schema = factories.session_schema(items=args.items, categories=100, seq_len=args.seq_len)
+    items = schema["item_id-list"]
+    encoded = workflow.output_schema["item_id-list"]
+    schema = Schema([items.with_properties({**encoded.properties, "value_count":
+                                            items.properties["value_count"]})
+                     if column.name == items.name else column for column in schema])
     config_cls = {"xlnet": tr.XLNetConfig, "gpt2": tr.GPT2Config}[args.model]
     config = config_cls.build(d_model=args.d_model, n_head=4, n_layer=args.n_layer,
                               total_seq_length=args.seq_len)
@@ -158,11 +172,14 @@ def catalogue_workflow(items, directory):
     return workflow
 
 
-def export_repository(model, args, device, path):
-    """Export the ensembles the chosen paths need, with ``--instances`` per GPU if given."""
+def export_repository(model, args, device, path, decoders):
+    """Export the ensembles the chosen paths need, with ``--instances`` per GPU if given.
+
+    The masked-and-decoded ones end with their ``DecodeItemIds`` from ``decoders``.
+    """
     from merlin.systems.dag import Ensemble
 
-    from merlin_t4r_ops import DecodeItemIds, PredictT4RPyTorch
+    from merlin_t4r_ops import PredictT4RPyTorch
 
     # name: (top_k, CUDA-graph buckets, exclude_seen and decode)
     settings = {"full": (None, None, False), "top": (args.top_k, None, False),
@@ -172,13 +189,6 @@ def export_repository(model, args, device, path):
                 "decoded": (args.top_k, None, True),
                 "decoded_captured": (args.top_k, args.buckets, True)}
     needed = {ENSEMBLE_OF[p] for p in args.paths if p in ENSEMBLE_OF}
-    decoders = {}
-    if any(settings[name][2] for name in needed):
-        # The vocabulary is read here, outside the repository (Triton reads its folders
-        # as models); each DecodeItemIds holds it from then on.
-        with tempfile.TemporaryDirectory(prefix="serving-bench-catalogue-") as tmp:
-            workflow = catalogue_workflow(args.items, tmp)
-            decoders = {name: DecodeItemIds(workflow) for name in needed if settings[name][2]}
     ensembles = {}
     for name in sorted(needed):
         top_k, buckets, decoded = settings[name]
@@ -478,13 +488,19 @@ def run(args):
     import torch
     import t4r_factories as factories
 
+    from merlin_t4r_ops import DecodeItemIds
     from merlin_t4r_ops.serving import triton_server
     from merlin_t4r_ops.serving.client import _input_specs, model_metadata
     from merlin_t4r_ops.serving.triton_env import stub_threads
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.set_num_threads(args.threads or stub_threads())
-    model = build_model(args, device)
+    # The catalogue's vocabulary is read here, outside the repository (Triton reads its
+    # folders as models); the model's item column and the DecodeItemIds keep what they need.
+    with tempfile.TemporaryDirectory(prefix="serving-bench-catalogue-") as tmp:
+        workflow = catalogue_workflow(args.items, tmp)
+        model = build_model(args, device, workflow)
+        decoders = {ENSEMBLE_OF[path]: DecodeItemIds(workflow) for path in DECODED_VS_PLAIN}
     ops = in_process_ops(model, args)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -499,7 +515,7 @@ def run(args):
     print(HEADER, flush=True)
     triton_paths = [p for p in args.paths if p.startswith("triton")]
     with tempfile.TemporaryDirectory(prefix="serving-bench-") as repo:
-        ensembles = export_repository(model, args, device, repo)
+        ensembles = export_repository(model, args, device, repo, decoders)
         serve = triton_server(repo, timeout=600) if ensembles else contextlib.nullcontext()
         with serve as server:
             stats_client = server.client() if server else None
@@ -507,7 +523,7 @@ def run(args):
                                                   else next(iter(ensembles))))[0]
                       if server else None)
             for batch in batches:
-                df = factories.random_sessions(batch, rng, max_len=args.seq_len,
+                df = factories.random_sessions(batch, rng, max_len=args.session_len,
                                                items=args.items, categories=100)
                 cpu_inputs = factories.reference_inputs(df, args.seq_len)
                 makers = {path: path_calls(path, df, dtypes, cpu_inputs, ops, ensembles, server)
@@ -648,7 +664,8 @@ def main(argv=None):
     args = parse_args(argv)
     result, device = run(args)
     settings = (f"{args.model}, d_model {args.d_model}, {args.n_layer} layers, sequence "
-                f"length {args.seq_len}, {args.items:,} items, top-{args.top_k}, device "
+                f"length {args.seq_len}, sessions of 1 to {args.session_len} items, "
+                f"{args.items:,} items, top-{args.top_k}, device "
                 f"{device}, instances {args.instances or 'as exported'}, torch threads "
                 f"{torch.get_num_threads()}, {args.rounds} rounds, buckets {list(args.buckets)}, "
                 f"batched max_queue_delay_us {args.batch_delay_us}")
