@@ -89,7 +89,7 @@ def parse_args(argv=None):
     p.add_argument("--items", type=int, default=50_000)
     p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--session-len", type=int, default=None,
-                   help="longest session sent, in items (default --seq-len; beyond 64, a "
+                   help="longest session sent, in items (default --seq-len; beyond 128, a "
                         "captured exclude_seen masks the older items after the replay)")
     p.add_argument("--batch-sizes", default="1,64,256")
     p.add_argument("--concurrency", default="1")

@@ -76,6 +76,14 @@ def random_sessions(n: int, rng: np.random.Generator, min_len=1, max_len=SEQ_LEN
     })
 
 
+def sessions_some_longer_than(n: int, rng: np.random.Generator, length: int) -> pd.DataFrame:
+    """``n`` sessions: the odd rows longer than ``length`` (by 1 to 20), the even ones short."""
+    long = random_sessions(n, rng, min_len=length + 1, max_len=length + 20)
+    short = random_sessions(n, rng, max_len=SEQ_LEN)
+    return pd.concat([long.iloc[i:i + 1] if i % 2 else short.iloc[i:i + 1] for i in range(n)],
+                     ignore_index=True)
+
+
 def reference_inputs(df: pd.DataFrame, seq_len: int = SEQ_LEN):
     """Padded model inputs built the slow, obvious way: keep the last items, pad right with 0."""
     out = {}

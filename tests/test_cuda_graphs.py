@@ -18,6 +18,7 @@ from merlin_t4r_ops.ops.cuda_graphs import (
     DEFAULT_BUCKETS, CudaGraphBuckets, bucket_for, check_buckets, cut_rows, example_request,
     pad_rows)
 from merlin_t4r_ops.ops.inputs import input_specs, to_model_inputs
+from merlin_t4r_ops.ops.predict_t4r import SEEN_IN_GRAPH
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU, torch sees none")
@@ -173,8 +174,8 @@ def test_captured_equals_eager_at_every_bucket(gpu_ops, form):
             assert_same_top_k(got, want, full.predict(table)["next-item"])
 
 
-def _long_requests(rows, seed, max_len):
-    df = factories.random_sessions(rows, np.random.default_rng(seed), max_len=max_len)
+def _requests_of(df):
+    """``df``'s sessions as a ragged request and as a fixed-width (right-padded) one."""
     width = int(df[ITEMS].map(len).max())
     fixed = {name: np.stack([np.pad(s, (0, width - len(s))) for s in df[name]])
              for name in df.columns}
@@ -184,8 +185,8 @@ def _long_requests(rows, seed, max_len):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("form", ["ragged", "fixed"])
-@pytest.mark.parametrize("max_len", [factories.SEQ_LEN, 150], ids=["short", "longer-than-64"])
-def test_exclude_seen_in_the_graph_equals_eager(form, max_len):
+@pytest.mark.parametrize("longer", [False, True], ids=["short", "longer-than-the-graph-holds"])
+def test_exclude_seen_in_the_graph_equals_eager(form, longer):
     """The graph masks each session's recent items; a longer one's older items after it."""
     model = factories.next_item_model("xlnet-causal", seed=8).cuda()
     captured = PredictT4RPyTorch(model, top_k=10, exclude_seen=True, cuda_graph_buckets=(1, 4, 16))
@@ -194,7 +195,10 @@ def test_exclude_seen_in_the_graph_equals_eager(form, max_len):
     assert captured._graphs.covered == (1, 4, 16), captured._graphs.summary()
     for rows in (1, 3, 16):
         for seed in (rows, rows + 100):
-            table = _long_requests(rows, seed, max_len)[form]
+            rng = np.random.default_rng(seed)
+            df = (factories.sessions_some_longer_than(rows, rng, SEEN_IN_GRAPH) if longer
+                  else factories.random_sessions(rows, rng))
+            table = _requests_of(df)[form]
             got, want = captured.predict(table), eager.predict(table)
             np.testing.assert_array_equal(got["item_ids"], want["item_ids"])
             np.testing.assert_allclose(got["item_id_scores"], want["item_id_scores"],

@@ -18,6 +18,7 @@ import t4r_factories as factories
 from merlin_t4r_ops import PredictT4RPyTorch, T4ROpsError
 from merlin_t4r_ops.ops.inputs import to_model_inputs
 from merlin_t4r_ops.ops.masking import FILLER_ID, reserved_item_ids
+from merlin_t4r_ops.ops.predict_t4r import SEEN_IN_GRAPH
 
 RTOL, ATOL = 1e-5, 1e-6
 ITEMS = "item_id-list"
@@ -281,16 +282,17 @@ def _replay_on_the_cpu(op, bucket):
     return replay
 
 
-@pytest.mark.parametrize("max_len", [factories.SEQ_LEN, 150], ids=["short", "longer-than-64"])
+@pytest.mark.parametrize("longer", [False, True], ids=["short", "longer-than-the-graph-holds"])
 @pytest.mark.parametrize("form", ["ragged", "fixed"])
-def test_captured_exclusion_of_seen_items_equals_the_reference(model, max_len, form):
+def test_captured_exclusion_of_seen_items_equals_the_reference(model, longer, form):
     """The graph masks each session's recent items itself; older ones are masked after it.
 
-    Sessions of up to 150 items overflow the graph's 64-item seen matrix, so both halves
-    run; the answer is the slow reference over the whole session either way.
+    Sessions longer than the graph's seen matrix (``SEEN_IN_GRAPH`` items) need both
+    halves; the answer is the slow reference over the whole session either way.
     """
-    k, rows = 10, 5
-    df = factories.random_sessions(rows, np.random.default_rng(max_len), max_len=max_len)
+    k, rows, rng = 10, 6, np.random.default_rng(int(longer))
+    df = (factories.sessions_some_longer_than(rows, rng, SEEN_IN_GRAPH) if longer
+          else factories.random_sessions(rows, rng))
     width = int(df[ITEMS].map(len).max())
     table = TensorTable.from_df(df) if form == "ragged" else TensorTable(
         {name: np.stack([np.pad(s, (0, width - len(s))) for s in df[name]])

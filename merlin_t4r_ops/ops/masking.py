@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from merlin.schema import ColumnSchema
-from merlin_t4r_ops.sequence import crop_and_pad
 
 __all__ = ["FILLER_ID", "mask_scores", "reserved_item_ids", "seen_items", "seen_matrix",
            "top_k_unmasked"]
@@ -86,21 +85,21 @@ def seen_matrix(table, column: str, width: int, filler: int
                 ) -> Tuple[np.ndarray, Optional[Tuple[np.ndarray, np.ndarray]]]:
     """``(recent, older)``: the seen items of :func:`seen_items`, shaped for a CUDA graph.
 
-    ``recent`` is ``[rows, width]`` int64: each session's most recent ``width`` ids (the
-    rule of :func:`~merlin_t4r_ops.sequence.crop_and_pad`), then ``filler``, a reserved id,
-    so that masking it changes nothing. ``older`` is ``(rows, ids)`` of the items that did
-    not fit, or ``None`` when every session did.
+    ``recent`` is ``[rows, width]`` int64: each session's most recent ``width`` ids, then
+    ``filler``, a reserved id, so that masking it changes nothing. ``older`` is
+    ``(rows, ids)`` of the items that did not fit, or ``None`` when every session did.
+    The work is per id sent, not per cell of ``recent``, so a wide matrix costs little.
     """
     ids, lengths = _session_ids(table, column)
-    recent = crop_and_pad(ids, lengths, width)
-    recent[np.arange(width)[None, :] >= np.minimum(lengths, width)[:, None]] = filler
-    dropped = np.maximum(lengths - width, 0)
-    if not dropped.any():
+    row_of = np.repeat(np.arange(len(lengths)), lengths)
+    position = np.arange(len(ids)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    slot = position - np.maximum(lengths - width, 0)[row_of]  # most recent at width - 1
+    fits = slot >= 0
+    recent = np.full((len(lengths), width), filler, dtype=np.int64)
+    recent[row_of[fits], slot[fits]] = ids[fits]
+    if fits.all():
         return recent, None
-    # The first ``dropped[r]`` ids of each row r: its start, plus 0 .. dropped[r] - 1.
-    starts = np.repeat(np.cumsum(lengths) - lengths, dropped)
-    within = np.arange(dropped.sum()) - np.repeat(np.cumsum(dropped) - dropped, dropped)
-    return recent, (np.repeat(np.arange(len(lengths)), dropped), ids[starts + within])
+    return recent, (row_of[~fits], ids[~fits])
 
 
 def mask_scores(

@@ -36,7 +36,7 @@ TOP_K_SCORES = "item_id_scores"
 # least SEEN_IN_GRAPH of them) and also writes the masked scores (_SCORES), on which a longer
 # session's older items are masked after the replay.
 _SEEN, _SCORES = "__seen__", "__scores__"
-SEEN_IN_GRAPH = 64
+SEEN_IN_GRAPH = 128
 
 
 # T4R keeps per-call state on the model's modules, so every operator over one model must
@@ -117,7 +117,7 @@ class PredictT4RPyTorch(BaseOperator):
         instance gets its own GPU), else the CPU.
     cuda_graph_buckets : sequence of int, optional
         On CUDA, the batch sizes whose forward (with masking and top-k; with
-        ``exclude_seen``, each session's 64 most recent items, or the model's width if
+        ``exclude_seen``, each session's 128 most recent items, or the model's width if
         larger, masked in the graph too) is captured as CUDA graphs at load; a request is padded up to the next bucket and replayed, larger ones
         run eagerly (see :mod:`merlin_t4r_ops.ops.cuda_graphs`). Default 1, 2, 4, ..., 256;
         ``None`` or ``()`` runs every request eagerly. Ignored on the CPU.
