@@ -337,3 +337,19 @@ def test_triton_excludes_items_cropped_from_long_sessions(client, session_workfl
     assert_same_top_k(served, reference_top_k(workflow, model, longer, exclude_seen=True))
     for row, head in zip(stacked(served, "item_ids"), heads):
         assert set(row).isdisjoint(head)
+
+
+@pytest.mark.parametrize("dtype", [np.uint32, np.uint64])
+def test_unsigned_raw_ids_get_their_largest_value_as_filler(dtype):
+    """An unsigned id cannot be -1. Before: numpy wrapped -1 with a DeprecationWarning
+    (numpy 1.26), and numpy 2 raises OverflowError."""
+    import warnings
+
+    from merlin_t4r_ops.ops.vocabulary import ItemVocabulary
+
+    vocabulary = ItemVocabulary(ITEM, 3, np.array([10, 20], dtype=dtype))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        raw = vocabulary.decode(np.array([[4, 3, -1]], dtype=np.int32))
+    np.testing.assert_array_equal(raw, np.array([[20, 10, np.iinfo(dtype).max]], dtype=dtype))
+    assert raw.dtype == dtype

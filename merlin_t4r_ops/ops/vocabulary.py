@@ -60,8 +60,13 @@ class ItemVocabulary:
     @property
     def filler(self):
         """The raw id of a top-k slot that no item was left for (``FILLER_ID``, scored
-        ``-inf``): ``-1`` for integer ids, ``""`` for string ids."""
-        return "" if self.is_string else FILLER_ID
+        ``-inf``): ``-1`` for signed integer ids, the dtype's largest value for unsigned ones
+        (which cannot hold ``-1``), ``""`` for string ids."""
+        if self.is_string:
+            return ""
+        if self.raw_ids.dtype.kind == "u":
+            return np.iinfo(self.raw_ids.dtype).max
+        return FILLER_ID
 
     @property
     def dtype(self) -> md.DType:
