@@ -28,9 +28,9 @@ class DecodeItemIds(BaseOperator):
     workflow tags ``Tags.ITEM_ID``. The decoded ``item_ids`` have the raw column's dtype:
     integers stay integers, strings travel to Triton clients as BYTES. A slot that no item
     was left for (``exclude_seen`` took them all; id ``-1``, scored ``-inf``) stays ``-1``;
-    it becomes ``""`` for string ids, and the dtype's largest value for unsigned ones. An id that Categorify reserves, or one beyond the
-    vocabulary, is an error. ``item_id_scores`` and every other column pass through
-    unchanged.
+    it becomes ``""`` for string ids, and the dtype's largest value for unsigned ones. An id
+    that Categorify reserves, or one beyond the vocabulary, is an error. ``item_id_scores``
+    and every other column pass through unchanged.
 
     Parameters
     ----------
