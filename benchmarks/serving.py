@@ -635,10 +635,11 @@ def format_decoded_row(r):
 
 
 def format_row(r):
-    """One markdown table row."""
+    """One markdown table row; the last cell is "-" when no eager floor was measured."""
+    vs_floor = "-" if np.isnan(r["vs_floor"]) else f"{r['vs_floor']:.2f}x"
     return (f"| {r['path']} | {r['batch']} | {r['concurrency']} | {r['p50_ms']:.2f} | "
             f"{r['p99_ms']:.2f} | {r['rows_per_s']:,.0f} | {r['response_bytes']:,} | "
-            f"{r['vs_floor']:.2f}x |")
+            f"{vs_floor} |")
 
 
 def machine(device):
