@@ -89,7 +89,7 @@ def parse_args(argv=None):
     p.add_argument("--items", type=int, default=50_000)
     p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--session-len", type=int, default=None,
-                   help="longest session sent, in items (default --seq-len; beyond 128, a "
+                   help="longest session sent, in items (default --seq-len; beyond max(128, --seq-len), a "
                         "captured exclude_seen masks the older items after the replay)")
     p.add_argument("--batch-sizes", default="1,64,256")
     p.add_argument("--concurrency", default="1")
@@ -116,7 +116,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.items, args.requests, args.seconds, args.warmup, args.rounds = 1_000, 32, 1.0, 2, 2
-    args.session_len = args.session_len or args.seq_len
+    args.session_len = args.seq_len if args.session_len is None else args.session_len
+    if args.session_len < 1:
+        p.error(f"--session-len must be at least 1, got {args.session_len}")
     args.batch1_concurrency = args.batch1_concurrency or ("8" if args.quick else "16,64")
     args.paths = [p for p in args.paths.split(",") if p]
     unknown = [p for p in args.paths if p not in PATHS]

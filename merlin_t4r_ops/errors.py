@@ -13,6 +13,7 @@ __all__ = [
     "StrategyError",
     "ServerStartError",
     "ExposedServerWarning",
+    "AmbiguousFillerWarning",
 ]
 
 
@@ -50,3 +51,7 @@ class ServerStartError(T4ROpsError, RuntimeError):
 
 class ExposedServerWarning(UserWarning):
     """A server is about to listen beyond loopback with a Triton that has known advisories."""
+
+
+class AmbiguousFillerWarning(UserWarning):
+    """A raw item id equals the filler that ``DecodeItemIds`` gives an empty top-k slot."""

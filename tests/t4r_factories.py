@@ -77,10 +77,11 @@ def random_sessions(n: int, rng: np.random.Generator, min_len=1, max_len=SEQ_LEN
 
 
 def sessions_some_longer_than(n: int, rng: np.random.Generator, length: int) -> pd.DataFrame:
-    """``n`` sessions: the odd rows longer than ``length`` (by 1 to 20), the even ones short."""
+    """``n`` sessions: the even rows (row 0 too) longer than ``length`` (by 1 to 20), the odd
+    ones short."""
     long = random_sessions(n, rng, min_len=length + 1, max_len=length + 20)
     short = random_sessions(n, rng, max_len=SEQ_LEN)
-    return pd.concat([long.iloc[i:i + 1] if i % 2 else short.iloc[i:i + 1] for i in range(n)],
+    return pd.concat([short.iloc[i:i + 1] if i % 2 else long.iloc[i:i + 1] for i in range(n)],
                      ignore_index=True)
 
 

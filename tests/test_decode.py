@@ -353,3 +353,29 @@ def test_unsigned_raw_ids_get_their_largest_value_as_filler(dtype):
         raw = vocabulary.decode(np.array([[4, 3, -1]], dtype=np.int32))
     np.testing.assert_array_equal(raw, np.array([[20, 10, np.iinfo(dtype).max]], dtype=dtype))
     assert raw.dtype == dtype
+
+
+@pytest.mark.parametrize("raw_ids", [np.array([7, -1], np.int64),
+                                     np.array([7, np.iinfo(np.uint64).max], np.uint64),
+                                     np.array(["a", ""], object)],
+                         ids=["int64", "uint64", "string"])
+def test_a_raw_id_equal_to_the_filler_is_warned_about(raw_ids):
+    from merlin_t4r_ops.errors import AmbiguousFillerWarning
+    from merlin_t4r_ops.ops.vocabulary import ItemVocabulary
+
+    with pytest.warns(AmbiguousFillerWarning, match=r"'item_id-list' holds the raw item id"):
+        ItemVocabulary(ITEM, 3, raw_ids)
+
+
+def test_a_fixed_width_request_wider_than_the_seen_matrix_keeps_its_items_in_it():
+    """Right padding is not a session's items: before, a 200-wide request of short sessions
+    filled the 128 slots with padding and sent every real id to the slow path."""
+    from merlin.table import TensorTable
+
+    from merlin_t4r_ops.ops.masking import seen_matrix
+
+    padded = np.zeros((2, 200), np.int64)
+    padded[0, :3], padded[1, :2] = [5, 6, 7], [8, 9]
+    recent, older = seen_matrix(TensorTable({ITEM: padded}), ITEM, width=128, filler=0)
+    assert older is None
+    np.testing.assert_array_equal(recent[:, :3], [[5, 6, 7], [8, 9, 0]])

@@ -6,7 +6,8 @@ graph replays all of a forward's kernels with one launch, but only for the shape
 captured with. So the batch sizes are split into buckets (default 1, 2, 4, ..., 256): a
 request's rows are copied into the static input buffers of the smallest bucket that holds
 them, the rest of those buffers is zero (empty sessions: every row of a T4R model is
-computed on its own, so padding rows never change the real ones), the graph is replayed,
+computed on its own, so padding rows never change the real ones; a padding row of seen ids
+masks only id 0 in a row that is cut off), the graph is replayed,
 and only the request's rows are copied back. Larger requests, and buckets whose capture
 failed, run eagerly.
 
@@ -185,6 +186,12 @@ class CudaGraphBuckets:
             )
         captured = self.captured[bucket]
         names = list(captured.outputs) if outputs is None else list(outputs)
+        unknown = [name for name in names if name not in captured.outputs]
+        if unknown:
+            raise T4ROpsError(
+                f"outputs {unknown} are not outputs of the captured graphs; they write "
+                f"{list(captured.outputs)}"
+            )
         with self._lock:
             for name, value in inputs.items():
                 captured.inputs[name].copy_(pad_rows(value, bucket), non_blocking=True)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from merlin.schema import ColumnSchema
+from merlin_t4r_ops.sequence import padded_lengths
 
 __all__ = ["FILLER_ID", "mask_scores", "reserved_item_ids", "seen_items", "seen_matrix",
            "top_k_unmasked"]
@@ -57,7 +58,8 @@ def reserved_item_ids(column: ColumnSchema, padding_id: int) -> Tuple[int, ...]:
 def _session_ids(table, column: str) -> Tuple[np.ndarray, np.ndarray]:
     """``(ids, lengths)``: the sessions' item ids one after another, and ids per session.
 
-    A fixed-width column's padding ids come along; they are reserved anyway.
+    A fixed-width column's rows end where their right padding (T4R's padding id 0)
+    begins, as :func:`~merlin_t4r_ops.sequence.padded_lengths` says.
     """
     host = table[column].cpu()  # a GPU workflow hands over cupy or CUDA columns
     values, offsets = np.asarray(host.values), host.offsets
@@ -65,7 +67,8 @@ def _session_ids(table, column: str) -> Tuple[np.ndarray, np.ndarray]:
         lengths = np.diff(np.asarray(offsets))
     else:
         values = values.reshape(len(values), -1)
-        lengths = np.full(len(values), values.shape[1])
+        lengths = padded_lengths(values)
+        values = values[np.arange(values.shape[1])[None, :] < lengths[:, None]]
     return values.reshape(-1).astype(np.int64, copy=False), lengths
 
 
@@ -93,7 +96,8 @@ def seen_matrix(table, column: str, width: int, filler: int
     ids, lengths = _session_ids(table, column)
     row_of = np.repeat(np.arange(len(lengths)), lengths)
     position = np.arange(len(ids)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    slot = position - np.maximum(lengths - width, 0)[row_of]  # most recent at width - 1
+    # A session longer than width keeps its last width ids; a shorter one sits at the left.
+    slot = position - np.maximum(lengths - width, 0)[row_of]
     fits = slot >= 0
     recent = np.full((len(lengths), width), filler, dtype=np.int64)
     recent[row_of[fits], slot[fits]] = ids[fits]

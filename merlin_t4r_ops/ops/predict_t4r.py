@@ -118,9 +118,10 @@ class PredictT4RPyTorch(BaseOperator):
     cuda_graph_buckets : sequence of int, optional
         On CUDA, the batch sizes whose forward (with masking and top-k; with
         ``exclude_seen``, each session's 128 most recent items, or the model's width if
-        larger, masked in the graph too) is captured as CUDA graphs at load; a request is padded up to the next bucket and replayed, larger ones
-        run eagerly (see :mod:`merlin_t4r_ops.ops.cuda_graphs`). Default 1, 2, 4, ..., 256;
-        ``None`` or ``()`` runs every request eagerly. Ignored on the CPU.
+        larger, masked in the graph too) is captured as CUDA graphs at load; a request is
+        padded up to the next bucket and replayed, larger ones run eagerly (see
+        :mod:`merlin_t4r_ops.ops.cuda_graphs`). Default 1, 2, 4, ..., 256; ``None`` or
+        ``()`` runs every request eagerly. Ignored on the CPU.
 
     Notes
     -----
@@ -227,6 +228,12 @@ class PredictT4RPyTorch(BaseOperator):
                 f"{self._task_names}"
             )
         self._check_top_k_fits()
+        if self.exclude_seen and not self.reserved_item_ids:
+            # The seen ids are padded with a reserved id (masked anyway) in a CUDA graph.
+            raise T4ROpsError(
+                "exclude_seen=True needs the model's padding id: it takes it from T4R's "
+                "NextItemPredictionTask, and this model has none"
+            )
         id_dtype = self._top_k_id_dtype(given)
         return Schema([
             ColumnSchema(prefix + TOP_K_IDS, dtype=id_dtype, dims=(None, self.top_k)),

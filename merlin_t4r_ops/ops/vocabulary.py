@@ -13,6 +13,7 @@ no pickle) and ``vocabulary.json`` (column name, first encoded id, count, kind).
 
 import io
 import json
+import warnings
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -22,7 +23,8 @@ import pyarrow.parquet as pq
 
 import merlin.dtypes as md
 from merlin.schema import Tags
-from merlin_t4r_ops.errors import ArtifactError, SchemaMismatchError, T4ROpsError
+from merlin_t4r_ops.errors import (
+    AmbiguousFillerWarning, ArtifactError, SchemaMismatchError, T4ROpsError)
 from merlin_t4r_ops.ops.masking import FILLER_ID
 
 __all__ = ["ItemVocabulary", "VOCABULARY_FILES"]
@@ -52,6 +54,14 @@ class ItemVocabulary:
     column: str
     first_id: int
     raw_ids: np.ndarray
+
+    def __post_init__(self):
+        if len(self.raw_ids) and (self.raw_ids == self.filler).any():
+            warnings.warn(
+                f"{self.column!r} holds the raw item id {self.filler!r}, which DecodeItemIds "
+                "also gives a top-k slot that no item was left for (exclude_seen): a client "
+                "cannot tell the two apart; item_id_scores is -inf in an empty slot",
+                AmbiguousFillerWarning, stacklevel=3)
 
     @property
     def is_string(self) -> bool:
