@@ -212,3 +212,44 @@ def test_a_graph_that_groups_rows_is_not_batched(tmp_path):
         ensemble.export(str(tmp_path), runtime=BatchingTritonRuntime())
     assert not (tmp_path / "executor_model").exists()
     ensemble.export(str(tmp_path), runtime=TritonRuntime())  # one request per execute: fine
+
+
+# -- a batch that fails is run again in halves -----------------------------------------------
+
+def test_a_bad_request_among_sixteen_fails_alone_in_a_few_runs():
+    """One request with ids beyond the table among 16, through the real operator.
+
+    Retried request by request, as before, the batch cost 17 runs; in halves it costs 9
+    (the failed batch, then two halves at each of four levels, one of them split again).
+    """
+    from merlin_t4r_ops.runtime.batching import answer_each, with_batch_dim
+    from merlin_t4r_ops.serving.client import dataframe_arrays
+
+    model = factories.next_item_model(seed=5)
+    op = PredictT4RPyTorch(model, top_k=3)
+    dtypes = {"item_id-list__values": np.int64, "item_id-list__offsets": np.int32,
+              "category-list__values": np.int64, "category-list__offsets": np.int32,
+              "price-list__values": np.float32, "price-list__offsets": np.int32}
+    bad_at = 11
+
+    def request(seed):
+        df = factories.random_sessions(2, np.random.default_rng(seed))
+        if seed == bad_at:
+            df.at[0, "item_id-list"] = df.at[0, "item_id-list"] + factories.ITEMS
+        return request_rows(with_batch_dim(dataframe_arrays(df, dtypes)), model.input_schema)
+
+    def run(batch):
+        runs.append(len(batch))
+        outputs = op.transform(None, concat_requests(batch, model.input_schema))
+        return split_outputs(outputs, [r.rows for r in batch])
+
+    requests, runs = [request(seed) for seed in range(16)], []
+    answers = answer_each(run, requests, failed=lambda error: error)
+    assert isinstance(answers[bad_at], InvalidRequestError)
+    assert "ids must be <" in str(answers[bad_at])
+    for index, (answer, alone) in enumerate(zip(answers, requests)):
+        if index != bad_at:
+            want = op.transform(None, concat_requests([alone], model.input_schema))
+            np.testing.assert_array_equal(answer["item_ids"], want["item_ids"].values)
+    # 16 fail; 0-7 pass; 8-15 fail; 8-11 fail; 8-9 pass; 10-11 fail; 10, 11; 12-15 pass.
+    assert runs == [16, 8, 8, 4, 2, 2, 1, 1, 4]

@@ -5,8 +5,8 @@
 ``execute`` several requests; Merlin's executor would run the graph once per request, this
 one checks each request alone, runs the graph once on their rows concatenated, and answers
 each request with its own rows, in order. A request that fails its checks is answered with
-its error and left out of the batch; when the batch itself fails, each request is run alone,
-so that a bad request fails alone and the others are answered.
+its error and left out of the batch; when the batch itself fails, it is run again in halves,
+down to single requests, so that a bad request fails alone and the others are answered.
 """
 
 import traceback
@@ -25,6 +25,7 @@ from merlin.systems.triton.conversions import (
 from merlin.systems.triton.models.executor_model import _parse_model_repository
 from merlin_t4r_ops.errors import T4ROpsError
 from merlin_t4r_ops.runtime.batching import (
+    answer_each,
     concat_requests,
     request_rows,
     split_outputs,
@@ -73,13 +74,8 @@ class TritonPythonModel:
         return responses
 
     def _answer_each(self, requests):
-        """Run ``requests`` as one batch; if that fails, run each alone."""
-        try:
-            return self._run(requests)
-        except Exception as exc:  # noqa: BLE001 - answered, or retried request by request
-            if len(requests) == 1:
-                return [_error_response(exc)]
-        return [self._answer_each([rows])[0] for rows in requests]
+        """Run ``requests`` as one batch; if that fails, in halves, so a bad one fails alone."""
+        return answer_each(self._run, requests, _error_response)
 
     def _run(self, requests):
         table = concat_requests(requests, self.ensemble.input_schema)
