@@ -20,6 +20,7 @@ from merlin_t4r_ops.errors import SessionLengthError, T4ROpsError
 __all__ = [
     "crop_and_pad",
     "crop_and_pad_rows",
+    "unpad_rows",
     "padded_lengths",
     "pad_lists_fn",
     "session_lengths",
@@ -180,13 +181,19 @@ def crop_and_pad(values, lengths, width: int):
     return padded
 
 
-def crop_and_pad_rows(matrix, lengths, width: int):
-    """:func:`crop_and_pad` for right-padded ``[rows, n]`` lists whose rows hold ``lengths``."""
+def unpad_rows(matrix, lengths):
+    """The first ``lengths[r]`` values of each row ``r`` of ``matrix``, one row after another
+    (Merlin's ``__values`` for right-padded ``[rows, n]`` lists); same kind and device."""
     lengths = _on_host(lengths)
     held = np.arange(matrix.shape[1])[None, :] < lengths[:, None]
     if isinstance(matrix, torch.Tensor):
         held = torch.from_numpy(held).to(matrix.device)
-    return crop_and_pad(matrix[held], lengths, width)
+    return matrix[held]
+
+
+def crop_and_pad_rows(matrix, lengths, width: int):
+    """:func:`crop_and_pad` for right-padded ``[rows, n]`` lists whose rows hold ``lengths``."""
+    return crop_and_pad(unpad_rows(matrix, lengths), lengths, width)
 
 
 def padded_lengths(ids) -> np.ndarray:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from merlin.schema import ColumnSchema
-from merlin_t4r_ops.sequence import padded_lengths
+from merlin_t4r_ops.sequence import padded_lengths, unpad_rows
 
 __all__ = ["FILLER_ID", "mask_scores", "reserved_item_ids", "seen_items", "seen_matrix",
            "top_k_unmasked"]
@@ -55,8 +55,9 @@ def reserved_item_ids(column: ColumnSchema, padding_id: int) -> Tuple[int, ...]:
                          *range(OOV_OFFSET, OOV_OFFSET + oov_ids)}))
 
 
-def _session_ids(table, column: str) -> Tuple[np.ndarray, np.ndarray]:
-    """``(ids, lengths)``: the sessions' item ids one after another, and ids per session.
+def _session_ids(table, column: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(ids, lengths, rows)``: the sessions' item ids one after another, ids per session,
+    and the session (row) of each id.
 
     A fixed-width column's rows end where their right padding (T4R's padding id 0)
     begins, as :func:`~merlin_t4r_ops.sequence.padded_lengths` says.
@@ -68,8 +69,9 @@ def _session_ids(table, column: str) -> Tuple[np.ndarray, np.ndarray]:
     else:
         values = values.reshape(len(values), -1)
         lengths = padded_lengths(values)
-        values = values[np.arange(values.shape[1])[None, :] < lengths[:, None]]
-    return values.reshape(-1).astype(np.int64, copy=False), lengths
+        values = unpad_rows(values, lengths)
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    return values.reshape(-1).astype(np.int64, copy=False), lengths, rows
 
 
 def seen_items(table, column: str, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -79,8 +81,7 @@ def seen_items(table, column: str, device: torch.device) -> Tuple[torch.Tensor, 
     included. Call it after :func:`merlin_t4r_ops.ops.inputs.to_model_inputs`, which has
     checked the offsets and that every id lies inside the embedding table.
     """
-    ids, lengths = _session_ids(table, column)
-    rows = np.repeat(np.arange(len(lengths)), lengths)
+    ids, _, rows = _session_ids(table, column)
     return (torch.from_numpy(rows).to(device), torch.from_numpy(ids).to(device))
 
 
@@ -93,8 +94,7 @@ def seen_matrix(table, column: str, width: int, filler: int
     ``(rows, ids)`` of the items that did not fit, or ``None`` when every session did.
     The work is per id sent, not per cell of ``recent``, so a wide matrix costs little.
     """
-    ids, lengths = _session_ids(table, column)
-    row_of = np.repeat(np.arange(len(lengths)), lengths)
+    ids, lengths, row_of = _session_ids(table, column)
     position = np.arange(len(ids)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     # A session longer than width keeps its last width ids; a shorter one sits at the left.
     slot = position - np.maximum(lengths - width, 0)[row_of]
