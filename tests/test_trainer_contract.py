@@ -108,6 +108,25 @@ def test_best_model_and_early_stopping_read_the_eval_loss(sessions, tmp_path):
     assert trainer.state.best_model_checkpoint is not None
 
 
+def test_evaluate_with_several_tasks_equals_fit_evaluate(tmp_path_factory):
+    """Before: "ValueError: not enough values to unpack (expected 4, got 2)", since the
+    per-task loss sums were summed again over the tasks, which shifted every metric."""
+    from merlin_t4r_ops.training import evaluate
+
+    path = factories.write_sessions(str(tmp_path_factory.mktemp("multi")), 50, seed=3)
+    model = factories.build_model("multi")
+    ours = Trainer(model=model, args=make_args(str(tmp_path_factory.mktemp("out")),
+                                               max_sequence_length=factories.MAX_LEN),
+                   strategy="single", schema=factories.session_schema(),
+                   eval_dataset_or_path=path)
+    ours.compute_metrics = True
+    got = ours.evaluate()
+    want = evaluate(model, path, strategy="single", batch_size=50)
+    assert len(want) == 11
+    for name, value in want.items():
+        assert got[f"eval_/{name}"] == pytest.approx(value, rel=1e-6), name
+
+
 # ---- predict(): T4R's return values -----------------------------------------------------------
 
 

@@ -213,8 +213,8 @@ class Trainer(T4RTrainer):
         tuple
             ``(loss, predictions, labels, loss_statistics)`` like T4R's, except
             the last item (always ``None`` in T4R): when ``testing``, a dict
-            with the batch's ``loss_sum`` and ``n_targets``, from which
-            evaluation weights batches by their targets.
+            with the batch's ``loss_sum`` and ``n_targets`` (``[1, tasks]``), from
+            which evaluation weights batches by their targets.
         """
         features, targets = self._prepare_inputs(inputs)
         autocast = torch.autocast("cuda") if self._use_cuda_amp else contextlib.nullcontext()
@@ -223,7 +223,9 @@ class Trainer(T4RTrainer):
         if not testing:
             return None, (None if prediction_loss_only else nested_detach(outputs)), None, None
         loss_sum, n_targets = loss_sum_and_count(outputs, unwrap_model(model))
-        stats = {"loss_sum": loss_sum.detach(), "n_targets": n_targets.detach()}
+        # In ReplicaLoss's [replicas, tasks] layout, which MetricAccumulator.update sums.
+        stats = {"loss_sum": loss_sum.detach().reshape(1, -1),
+                 "n_targets": n_targets.detach().reshape(1, -1)}
         loss = batch_loss(outputs).detach()
         if prediction_loss_only:
             return loss, None, None, stats
