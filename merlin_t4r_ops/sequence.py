@@ -20,6 +20,7 @@ from merlin_t4r_ops.errors import SessionLengthError, T4ROpsError
 __all__ = [
     "crop_and_pad",
     "crop_and_pad_rows",
+    "pad_sessions",
     "unpad_rows",
     "padded_lengths",
     "pad_lists_fn",
@@ -261,28 +262,58 @@ def session_lengths(lists: Mapping, id_columns: Iterable[str]) -> Optional[np.nd
     return session
 
 
+def pad_sessions(lists: Mapping, width: int, id_columns: Iterable[str]) -> dict:
+    """Every list column as ``[rows, width]``: the one crop-and-pad rule of training and serving.
+
+    Parameters
+    ----------
+    lists : mapping of str to (values, lengths)
+        Per list column: a ragged column's ``__values`` and its lengths per session, or a
+        right-padded ``[rows, n]`` column and ``None``.
+    width : int
+    id_columns : iterable of str
+        The categorical columns among ``lists`` (see :func:`session_lengths`).
+
+    Returns
+    -------
+    dict
+        Column name to :func:`crop_and_pad` of its sessions, at the lengths that
+        :func:`session_lengths` finds (a right-padded column's full width where none does).
+
+    Raises
+    ------
+    SessionLengthError
+        When the columns disagree on a session's length.
+    """
+    session = session_lengths(
+        {name: values if lengths is None else lengths for name, (values, lengths) in lists.items()},
+        id_columns)
+    padded = {}
+    for name, (values, lengths) in lists.items():
+        if lengths is not None:  # ragged: session holds these lengths, already on the host
+            padded[name] = crop_and_pad(values, session, width)
+        else:
+            rows = session if session is not None else np.full(len(values), values.shape[1])
+            padded[name] = crop_and_pad_rows(values, rows, width)
+    return padded
+
+
 def _pad_lists(batch: Mapping, width: int, list_columns, id_columns) -> dict:
     lists = {}
     for key, value in batch.items():
-        if key.endswith("__offsets"):
-            offsets = value.reshape(-1)
-            lists[key[: -len("__offsets")]] = offsets[1:] - offsets[:-1]
+        if key.endswith("__values"):
+            offsets = batch[key[: -len("__values")] + "__offsets"].reshape(-1)
+            lists[key[: -len("__values")]] = (value, offsets[1:] - offsets[:-1])
         elif key in list_columns:
-            lists[key] = value
-    lengths = session_lengths(lists, id_columns)
-    padded = {}
+            lists[key] = (value, None)
+    padded = pad_sessions(lists, width, id_columns)
+    out = {}
     for key, value in batch.items():
         if key.endswith("__offsets"):
             continue
-        if key.endswith("__values"):
-            name = key[: -len("__values")]
-            padded[name] = crop_and_pad(value, lists[name], width)
-        elif key in lists:
-            rows = lengths if lengths is not None else [value.shape[1]] * len(value)
-            padded[key] = crop_and_pad_rows(value, rows, width)
-        else:
-            padded[key] = value
-    return padded
+        name = key[: -len("__values")] if key.endswith("__values") else key
+        out[name] = padded.get(name, value)
+    return out
 
 
 def pad_lists_fn(width: int, list_columns: Iterable[str] = (),

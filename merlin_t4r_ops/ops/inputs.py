@@ -14,7 +14,7 @@ import torch
 
 from merlin.schema import Schema, Tags
 from merlin_t4r_ops.errors import InvalidRequestError
-from merlin_t4r_ops.sequence import crop_and_pad, crop_and_pad_rows, session_lengths
+from merlin_t4r_ops.sequence import pad_sessions
 
 __all__ = ["InputSpec", "input_specs", "to_model_inputs"]
 
@@ -152,18 +152,11 @@ def to_model_inputs(
         values, lengths = columns[spec.name]
         columns[spec.name] = (_checked_values(spec, values), lengths)
     # The rule training's loaders follow: ragged lengths, or right-padded columns.
-    lists = {spec.name: columns[spec.name][0] if columns[spec.name][1] is None
-             else columns[spec.name][1] for spec in specs if spec.is_list}
-    session = session_lengths(lists, [spec.name for spec in specs if spec.is_categorical])
-
+    padded = pad_sessions({spec.name: columns[spec.name] for spec in specs if spec.is_list},
+                          sequence_length, [spec.name for spec in specs if spec.is_categorical])
     tensors = {}
     for spec in specs:
-        values, lengths = columns[spec.name]
-        if spec.is_list and lengths is not None:  # ragged
-            values = crop_and_pad(values, lengths, sequence_length)
-        elif spec.is_list:  # fixed width, right-padded
-            rows_lengths = session if session is not None else np.full(n_rows, values.shape[1])
-            values = crop_and_pad_rows(values, rows_lengths, sequence_length)
+        values = padded.get(spec.name, columns[spec.name][0])
         tensors[spec.name] = torch.from_numpy(np.ascontiguousarray(values)).to(device)
     return tensors
 
