@@ -37,14 +37,6 @@ def calling_node(op) -> Optional[Node]:
         del frame  # frames hold references to their locals
 
 
-def _flat_nodes(elements: Iterable) -> Iterable[Node]:
-    for element in elements:
-        if isinstance(element, Node):
-            yield element
-        elif isinstance(element, (list, tuple)):
-            yield from _flat_nodes(element)
-
-
 def _describe(node: Node) -> str:
     label = getattr(node.op, "label", None) or type(node.op).__name__
     return f"{type(node.op).__name__} ({label})" if label != type(node.op).__name__ else label
@@ -60,8 +52,8 @@ def refuse_colliding_outputs(node: Node, names: Iterable[str]) -> None:
     """
     names = list(names)
     for consumer in node.children:
-        for other in _flat_nodes(list(consumer.parents) + list(consumer.dependencies)):
-            if other is node or other.output_schema is None:
+        for other in consumer.parents_with_dependencies:
+            if not isinstance(other, Node) or other is node or other.output_schema is None:
                 continue
             clash = [name for name in names if name in other.output_schema.column_names]
             if clash:
