@@ -18,6 +18,7 @@ from merlin_t4r_ops.arguments import is_positive_int
 from merlin_t4r_ops.errors import SessionLengthError, T4ROpsError
 
 __all__ = [
+    "core_schema",
     "crop_and_pad",
     "crop_and_pad_rows",
     "pad_sessions",
@@ -37,7 +38,8 @@ _T4R_LENGTH_FIELDS = (("total_seq_length", 0), ("n_positions", 0), ("max_positio
 _FROM_SCHEMA = "the schema's value_count.max"
 
 
-def _core_schema(schema):
+def core_schema(schema):
+    """``schema`` as a ``merlin.schema.Schema`` (``None`` stays ``None``)."""
     from merlin.schema import Schema
 
     if schema is None or isinstance(schema, Schema):
@@ -124,7 +126,7 @@ def resolve_sequence_length(
     """
     if requested is not None and not is_positive_int(requested):
         raise T4ROpsError(f"max_sequence_length must be a positive int, got {requested!r}")
-    schema = _core_schema(model.input_schema if schema is None else schema)
+    schema = core_schema(model.input_schema if schema is None else schema)
     found = {
         "model.max_sequence_length": getattr(model, "max_sequence_length", None),
         "the input block's max_sequence_length": _input_block_length(model, schema),

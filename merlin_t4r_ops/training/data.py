@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from accelerate.utils import send_to_device
 
-from merlin_t4r_ops.sequence import pad_lists_fn, resolve_sequence_length
+from merlin_t4r_ops.sequence import core_schema, pad_lists_fn, resolve_sequence_length
 from merlin_t4r_ops.training.metrics import prediction_tasks
 from merlin_t4r_ops.training.state import DistributedState, unwrap_model
 
@@ -72,9 +72,7 @@ def as_dataset(data, schema=None):
     if not isinstance(data, Dataset):
         data = Dataset(_parquet_files(data), engine="parquet")
     if schema is not None:
-        from transformers4rec.torch.utils.data_utils import to_core_schema
-
-        data.schema = schema if isinstance(schema, type(data.schema)) else to_core_schema(schema)
+        data.schema = core_schema(schema)
     return data
 
 
