@@ -10,19 +10,18 @@ down to single requests, so that a bad request fails alone and the others are an
 """
 
 import traceback
-from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from merlin.dag import postorder_iter_nodes
-from merlin.systems.dag import Ensemble
 from merlin.systems.dag.runtimes.triton import TritonExecutorRuntime
 from merlin.systems.triton.conversions import (
     _array_from_triton_tensor,
     match_representations,
     tensor_names,
 )
-from merlin.systems.triton.models.executor_model import _parse_model_repository
+from merlin.systems.triton.models.executor_model import (
+    TritonPythonModel as MerlinExecutorModel,
+)
 from merlin_t4r_ops.errors import T4ROpsError
 from merlin_t4r_ops.runtime.batching import (
     answer_each,
@@ -33,20 +32,16 @@ from merlin_t4r_ops.runtime.batching import (
 )
 
 
-class TritonPythonModel:
+class TritonPythonModel(MerlinExecutorModel):
     """Merlin's executor model, batched across the requests of one ``execute`` call."""
 
     def initialize(self, args):
-        """Load the ensemble and its operators' artifacts, as Merlin's executor does.
+        """Load the ensemble and its operators' artifacts: Merlin's ``initialize``.
 
-        ``args`` stays a local of this frame: the operator reads the instance's device
+        Its frame, like this one, holds ``args``: the operator reads the instance's device
         from it (:func:`merlin_t4r_ops.ops.device.triton_instance_args`).
         """
-        repository = _parse_model_repository(args["model_repository"])
-        path = Path(repository) / args["model_name"] / str(args["model_version"]) / "ensemble"
-        self.ensemble = Ensemble.load(str(path))
-        for node in postorder_iter_nodes(self.ensemble.graph.output_node, flatten_subgraphs=True):
-            node.op.load_artifacts(str(path))
+        super().initialize(args)
         self.runtime = TritonExecutorRuntime()
         self.input_names = tensor_names(self.ensemble.input_schema)
 
