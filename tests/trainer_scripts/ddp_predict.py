@@ -71,6 +71,10 @@ def main():
     parser.add_argument("--items", type=int, required=True)
     parser.add_argument("--phases", default="evaluate,predict_top_k")
     opts = parser.parse_args()
+    # Started once, before torch.distributed starts its threads, and never stopped: on
+    # Python 3.11, tracemalloc.stop() while other threads allocate can crash the process
+    # (CPython gh-128679, fixed in 3.12.9 and 3.13.2); it crashed a rank here once.
+    tracemalloc.start()
 
     schema = make_schema(n_items=opts.items)
     model = make_model(schema)
@@ -82,11 +86,11 @@ def main():
     for phase in opts.phases.split(","):
         trainer.args.predict_top_k = TOP_K[phase]
         trainer.dist_state.barrier()
-        tracemalloc.start()
+        tracemalloc.reset_peak()
+        held = tracemalloc.get_traced_memory()[0]
         with PeakRSS() as rss:
             result = PHASES[phase](trainer, opts.eval)
-        traced = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
+        traced = tracemalloc.get_traced_memory()[1] - held
         entry = {"traced_peak": traced, "rss_peak_over_start": rss.peak - rss.start}
         if phase.startswith("predict"):
             entry["predictions"] = _describe(result.predictions)
