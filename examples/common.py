@@ -22,6 +22,8 @@ from typing import Dict, Sequence
 import numpy as np
 import pandas as pd
 
+from merlin_t4r_ops.harmless_warnings import cpu_datasets_quiet
+
 ITEM = "item_id-list"
 CATEGORY = "category-list"
 FEATURES = [ITEM, CATEGORY]
@@ -136,6 +138,8 @@ def one_partition(df: pd.DataFrame):
     return Dataset(df, npartitions=1)
 
 
+# The ETL runs NVTabular on pandas by design (no cuDF here): its "CPU mode" warnings say nothing.
+@cpu_datasets_quiet()
 def run_etl(events: pd.DataFrame, output_dir: Path, *, max_length: int, min_length: int,
             eval_fraction: float, target: str = None) -> Dict:
     """Sessionize, split by time, fit the encoder on training sessions, write parquet.
@@ -208,7 +212,8 @@ def serve_and_compare(workflow, model, repository: Path, requests: pd.DataFrame,
     ensemble = build_ensemble(workflow, model, top_k)
     # Before export: exporting swaps the graph's workflow op for its Triton-runtime twin,
     # which the in-process runtime cannot run.
-    local = ensemble.transform(requests)
+    with cpu_datasets_quiet():  # the in-process TransformWorkflow runs on pandas, as intended
+        local = ensemble.transform(requests)
     ensemble.export(str(repository))
     start = time.perf_counter()
     with triton_server(repository) as server:

@@ -6,7 +6,12 @@
 * :mod:`merlin_t4r_ops.training` trains with DataParallel, DDP or one device.
 """
 
-from merlin_t4r_ops.errors import (
+from merlin_t4r_ops.harmless_warnings import ignore_tensorflow_dtypes_warning
+
+# Before anything imports merlin-core: its TensorFlow dtypes are of no use to a PyTorch model.
+ignore_tensorflow_dtypes_warning()
+
+from merlin_t4r_ops.errors import (  # noqa: E402
     ArtifactError,
     InvalidRequestError,
     SchemaMismatchError,
@@ -14,7 +19,7 @@ from merlin_t4r_ops.errors import (
     StrategyError,
     T4ROpsError,
 )
-from merlin_t4r_ops.ops import DecodeItemIds, PredictT4RPyTorch
+from merlin_t4r_ops.ops import DecodeItemIds, PredictT4RPyTorch  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,7 @@
 """Both examples run end to end on a small config: real NVTabular, T4R, fit and tritonserver."""
 
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +17,19 @@ import session_based  # noqa: E402
 
 SMALL = ["--sessions", "300", "--items", "200", "--epochs", "1", "--requests", "6",
          "--batch-size", "64", "--no-progress"]
+
+
+def test_the_demo_prints_progress_metrics_and_answers_without_warnings(tmp_path):
+    """What ``scripts/demo`` prints, run as it runs (a fresh interpreter, progress bar on), on
+    the small config: the lines a user needs and not one warning."""
+    args = [arg for arg in SMALL if arg != "--no-progress"] + ["--output-dir", str(tmp_path)]
+    run = subprocess.run([sys.executable, str(EXAMPLES / "session_based.py"), *args],
+                         capture_output=True, text=True, timeout=600)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    assert [line for line in output.splitlines() if "Warning" in line] == []
+    for needed in ("epoch 1/1", "held-out NDCG@20=", "top-20: [", "Triton vs in-process"):
+        assert needed in output, output
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from accelerate.utils import send_to_device
 
+from merlin_t4r_ops.harmless_warnings import cpu_datasets_quiet
 from merlin_t4r_ops.sequence import core_schema, pad_lists_fn, resolve_sequence_length
 from merlin_t4r_ops.training.metrics import prediction_tasks
 from merlin_t4r_ops.training.state import DistributedState, unwrap_model
@@ -70,7 +71,8 @@ def as_dataset(data, schema=None):
     from merlin.io import Dataset
 
     if not isinstance(data, Dataset):
-        data = Dataset(_parquet_files(data), engine="parquet")
+        with cpu_datasets_quiet():  # pandas is the intended engine without cuDF
+            data = Dataset(_parquet_files(data), engine="parquet")
     if schema is not None:
         data.schema = core_schema(schema)
     return data
@@ -288,7 +290,8 @@ class ShardedLoader:
             parts.append(
                 frame.partitions[int(partition)].map_partitions(_take_rows, rows, meta=frame._meta)
             )
-        shard = Dataset(dd.concat(parts), schema=self.schema, cpu=self.dataset.cpu)
+        with cpu_datasets_quiet():  # the shard keeps the dataset's engine, pandas without cuDF
+            shard = Dataset(dd.concat(parts), schema=self.schema, cpu=self.dataset.cpu)
         device = self.state.device.index if self.state.device.type == "cuda" else "cpu"
         return Loader(shard, self.batch_size, drop_last=self.drop_last, device=device)
 
