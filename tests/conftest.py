@@ -79,6 +79,9 @@ def model_repository(tmp_path_factory, served_models, session_workflow):
         # next_item_full through this package's executor (named errors); the rest as Merlin's.
         runtime = TritonRuntime() if name == "next_item_full" else None
         Ensemble(answer, inputs).export(str(path), name=name, runtime=runtime)
+    top1 = served_models["next_item_topk"]  # answers [rows, 1] lists
+    Ensemble(top1.input_schema.column_names >> PredictT4RPyTorch(top1, top_k=1),
+             top1.input_schema).export(str(path), name="next_item_top1")
     workflow, workflow_model, _ = session_workflow
     factories.workflow_ensemble(workflow, workflow_model, top_k=TOP_K).export(
         str(path), name="session_topk"
