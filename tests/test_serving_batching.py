@@ -233,3 +233,11 @@ def test_the_http_client_reaches_the_batched_model(triton, served_models):
         got = np.stack(infer_dataframe(client, df, model_name=BATCHED_MODEL)["next-item"])
     np.testing.assert_allclose(got, factories.eager_scores(served_models["next_item_full"], df),
                                rtol=RTOL, atol=ATOL)
+
+
+def test_a_workflow_ensemble_answers_zero_rows_with_its_declared_columns(client,
+                                                                         session_workflow):
+    """NVTabular's traceback before: the executor answers a request without rows itself."""
+    _, _, raw = session_workflow
+    got = infer_dataframe(client, raw.head(0), model_name=BATCHED_WORKFLOW)
+    assert set(got.columns) == {"item_ids", "item_id_scores"} and len(got) == 0
