@@ -492,7 +492,7 @@ def run(args):
 
     from merlin_t4r_ops import DecodeItemIds
     from merlin_t4r_ops.serving import triton_server
-    from merlin_t4r_ops.serving.client import _input_specs, model_metadata
+    from merlin_t4r_ops.serving.client import model_spec
     from merlin_t4r_ops.serving.triton_env import stub_threads
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -521,8 +521,8 @@ def run(args):
         serve = triton_server(repo, timeout=600) if ensembles else contextlib.nullcontext()
         with serve as server:
             stats_client = server.client() if server else None
-            dtypes = (_input_specs(model_metadata(stats_client, "top" if "top" in ensembles
-                                                  else next(iter(ensembles))))[0]
+            dtypes = (model_spec(stats_client, "top" if "top" in ensembles
+                                 else next(iter(ensembles))).dtypes
                       if server else None)
             for batch in batches:
                 df = factories.random_sessions(batch, rng, max_len=args.session_len,

@@ -20,6 +20,10 @@ from merlin_t4r_ops.errors import (  # noqa: E402
     T4ROpsError,
 )
 from merlin_t4r_ops.ops import DecodeItemIds, PredictT4RPyTorch  # noqa: E402
+from merlin_t4r_ops.serving.triton_env import put_scripts_on_path  # noqa: E402
+
+# Merlin's run_triton_server finds tritonserver on PATH, which an unactivated venv lacks.
+put_scripts_on_path()
 
 __version__ = "0.1.0"
 

@@ -60,13 +60,15 @@ def session_workflow(tmp_path_factory):
 def model_repository(tmp_path_factory, served_models, session_workflow):
     """Each model exported as its own ensemble, plus three with a workflow in front.
 
+    ``next_item_full`` is exported with :class:`TritonRuntime`, the others as Merlin exports.
+
     The model of ``next_item_full`` and the top-k workflow ensemble are exported a second
     time with :class:`BatchingTritonRuntime` (``BATCHED_MODEL``, ``BATCHED_WORKFLOW``).
     """
     from merlin.systems.dag import Ensemble
 
     from merlin_t4r_ops import PredictT4RPyTorch
-    from merlin_t4r_ops.runtime import BatchingTritonRuntime
+    from merlin_t4r_ops.runtime import BatchingTritonRuntime, TritonRuntime
 
     path = tmp_path_factory.mktemp("model_repository")
     for name, model in served_models.items():
@@ -74,7 +76,12 @@ def model_repository(tmp_path_factory, served_models, session_workflow):
         answer, inputs = model.input_schema.column_names >> op, model.input_schema
         if name == "session_scalar":  # and a request id that travels beside the answer
             answer, inputs = workflow_factories.with_request_id(answer, inputs)
-        Ensemble(answer, inputs).export(str(path), name=name)
+        # next_item_full through this package's executor (named errors); the rest as Merlin's.
+        runtime = TritonRuntime() if name == "next_item_full" else None
+        Ensemble(answer, inputs).export(str(path), name=name, runtime=runtime)
+    top1 = served_models["next_item_topk"]  # answers [rows, 1] lists
+    Ensemble(top1.input_schema.column_names >> PredictT4RPyTorch(top1, top_k=1),
+             top1.input_schema).export(str(path), name="next_item_top1")
     workflow, workflow_model, _ = session_workflow
     factories.workflow_ensemble(workflow, workflow_model, top_k=TOP_K).export(
         str(path), name="session_topk"

@@ -197,6 +197,19 @@ def test_the_same_ensemble_exported_twice_keeps_its_folder(tmp_path):
     factories.load_exported(_ensemble_dir(tmp_path))
 
 
+def test_a_re_export_after_two_identical_exports_replaces_their_folder(tmp_path):
+    """Exporting one ensemble twice writes the same ensemble.pkl; the next export of another
+    graph still removes the folder the earlier graph wrote (a digest of the pickle could not
+    tell the two earlier exports apart)."""
+    model = factories.binary_model(seed=68)
+    ensemble = Ensemble(model.input_schema.column_names >> PredictT4RPyTorch(model),
+                        model.input_schema)
+    ensemble.export(str(tmp_path))
+    ensemble.export(str(tmp_path))
+    new = _export(factories.binary_model(seed=69), tmp_path)
+    assert _folders(tmp_path) == [new._artifact_dir]
+
+
 def test_an_export_removes_nothing_it_did_not_write(tmp_path):
     old = _export(factories.binary_model(seed=66), tmp_path)
     ensemble_dir = _ensemble_dir(tmp_path)

@@ -14,7 +14,14 @@ from merlin.table import TensorTable
 import t4r_factories as factories
 from merlin_t4r_ops import InvalidRequestError, PredictT4RPyTorch, T4ROpsError
 from merlin_t4r_ops.runtime import BatchingTritonRuntime, TritonRuntime
-from merlin_t4r_ops.runtime.batching import concat_requests, request_rows, split_outputs
+from merlin_t4r_ops.runtime.batching import (
+    answer_each,
+    concat_requests,
+    request_rows,
+    row_groups,
+    split_outputs,
+)
+from merlin_t4r_ops.runtime.replies import empty_outputs, is_request_error, wire_message
 
 KIND = model_config.ModelInstanceGroup.Kind
 SCHEMA = Schema([
@@ -150,15 +157,15 @@ def test_batching_runtime_writes_dynamic_batching_and_its_executor(ensemble, tmp
     ({"instances": 4, "instance_kind": "gpu"}, KIND.KIND_GPU, 4),
     ({"instances": 2, "instance_kind": "cpu"}, KIND.KIND_CPU, 2),
 ])
-def test_triton_runtime_writes_the_instance_group_and_keeps_merlins_executor(
+def test_triton_runtime_writes_the_instance_group_and_its_own_executor(
         ensemble, tmp_path, kwargs, kind, count):
     ensemble.export(str(tmp_path), name="plain", runtime=TritonRuntime(**kwargs))
     config = _config(tmp_path, "plain")
     [group] = config.instance_group
     assert (group.kind, group.count, list(group.gpus)) == (kind, count, [])
     assert config.max_batch_size == 0 and not config.HasField("dynamic_batching")
-    with importlib.resources.as_file(_merlin_executor_model()) as merlin_model:
-        assert filecmp.cmp(tmp_path / "plain" / "1" / "model.py", merlin_model, shallow=False)
+    model_py = (tmp_path / "plain" / "1" / "model.py").read_text()
+    assert "merlin_t4r_ops.runtime.replies" in model_py  # named errors, INVALID_ARG
 
 
 def test_stock_export_is_unchanged_by_the_runtimes(ensemble, tmp_path):
@@ -253,3 +260,52 @@ def test_a_bad_request_among_sixteen_fails_alone_in_a_few_runs():
             np.testing.assert_array_equal(answer["item_ids"], want["item_ids"].values)
     # 16 fail; 0-7 pass; 8-15 fail; 8-11 fail; 8-9 pass; 10-11 fail; 10, 11; 12-15 pass.
     assert runs == [16, 8, 8, 4, 2, 2, 1, 1, 4]
+
+
+def test_a_server_fault_is_answered_to_every_request_and_never_retried():
+    """A fault that is not the request's would fail every half too: 64 requests, one run."""
+    runs = []
+
+    def run(batch):
+        runs.append(len(batch))
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    answers = answer_each(run, list(range(64)), failed=lambda error: error)
+    assert runs == [64]
+    assert len(answers) == 64 and all(isinstance(a, RuntimeError) for a in answers)
+
+
+def test_merged_batches_stop_at_max_rows_and_a_large_request_runs_alone():
+    assert row_groups([100, 100, 56, 1, 300, 2], max_rows=256) == [[0, 1, 2], [3], [4], [5]]
+    assert row_groups([3, 4], max_rows=None) == [[0, 1]]
+    assert row_groups([], max_rows=256) == []
+
+
+def test_the_batching_runtime_writes_its_row_cap(ensemble, tmp_path):
+    ensemble.export(str(tmp_path), name="batched",
+                    runtime=BatchingTritonRuntime(max_batch_rows=128))
+    config = _config(tmp_path, "batched")
+    assert config.parameters["max_batch_rows"].string_value == "128"
+    ensemble.export(str(tmp_path), name="default", runtime=BatchingTritonRuntime())
+    assert _config(tmp_path, "default").parameters["max_batch_rows"].string_value == "256"
+
+
+@pytest.mark.parametrize("error, status, line", [
+    (InvalidRequestError("input 'item_id-list': ids must be < 50, got 57 in row 2"), True,
+     "InvalidRequestError: input 'item_id-list': ids must be < 50, got 57 in row 2"),
+    (RuntimeError("CUDA error\nmore"), False,
+     "server error (traceback in the server log): RuntimeError: CUDA error"),
+])
+def test_the_wire_gets_one_line_and_the_kind_of_fault(error, status, line):
+    assert is_request_error(error) is status
+    assert wire_message(error) == line
+
+
+def test_a_long_message_is_cut_to_two_hundred_characters():
+    message = wire_message(InvalidRequestError("input 'x': " + "y" * 500))
+    assert len(message) == 200 and message.startswith("InvalidRequestError: input 'x': ")
+
+
+def test_zero_rows_answer_the_declared_columns(ensemble):
+    arrays = empty_outputs(ensemble.output_schema)
+    assert {name: a.shape for name, a in arrays.items()} == {"next-item": (0, factories.ITEMS)}

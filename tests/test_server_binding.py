@@ -91,3 +91,35 @@ def test_command_lines_warn_on_stderr_before_the_server_starts(tmp_path, executa
     assert "unrecognized option '--refused-by-triton'" in done.stderr
     assert "ExposedServerWarning: tritonserver will listen on '0.0.0.0'" in done.stderr
     assert "CVE-2025-23319" in done.stderr and "Triton 25.07 or newer" in done.stderr
+
+
+@pytest.mark.parametrize("extra", [["--http-address=0.0.0.0"], ["--grpc-address", "0.0.0.0"],
+                                   ["--metrics-address=0.0.0.0"]])
+def test_an_address_in_the_launchers_extra_args_is_checked(tmp_path, extra):
+    """tritonserver binds the last of a repeated flag: the caller's, after the launcher's."""
+    with pytest.warns(ExposedServerWarning, match=rf"listen on '0.0.0.0'.*{ADVISORIES}"):
+        command = server_command(tmp_path, host="127.0.0.1", grpc_port=1, http_port=2,
+                                 metrics_port=3, extra_args=extra)
+    assert command[-len(extra):] == extra
+
+
+def test_metrics_are_on_and_on_loopback_whatever_the_host(tmp_path):
+    with pytest.warns(ExposedServerWarning, match=r"listen on '10.20.30.40'") as caught:
+        command = server_command(tmp_path, host="10.20.30.40", grpc_port=1, http_port=2,
+                                 metrics_port=3)
+    assert len(caught) == 1
+    assert "--allow-metrics=true" in command and "--metrics-port=3" in command
+    assert _addresses(command)["--metrics-address"] == "127.0.0.1"
+
+
+def test_the_serve_cli_checks_the_flags_it_passes_through(tmp_path):
+    """``merlin-t4r-serve REPO --http-address=0.0.0.0``: the flag goes to tritonserver, and
+    warns; tritonserver then refuses the next flag, so nothing is bound."""
+    done = subprocess.run(
+        [shutil.which("merlin-t4r-serve"), str(tmp_path), "--http-address=0.0.0.0",
+         "--refused-by-triton"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode != 0
+    assert "unrecognized option '--refused-by-triton'" in done.stderr
+    assert "ExposedServerWarning: tritonserver will listen on '0.0.0.0'" in done.stderr

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,10 @@ def test_serves_on_loopback_and_leaves_no_orphans(small_repository):
         got = infer_dataframe(server.client(), df)["click/binary_classification_task"]
         np.testing.assert_allclose(got, factories.eager_scores(model, df).reshape(-1),
                                    rtol=1e-5, atol=1e-6)
+        # Prometheus metrics are on, on loopback (the listening addresses above say only there).
+        assert server.metrics_url.startswith("http://127.0.0.1:")
+        with urllib.request.urlopen(server.metrics_url, timeout=30) as page:
+            assert 'nv_inference_request_success{model="executor_model"' in page.read().decode()
         pids = [server.process.pid, *[p.pid for p in stubs]]
     time.sleep(0.5)
     assert [pid for pid in pids if psutil.pid_exists(pid)
@@ -194,3 +199,21 @@ def test_a_start_that_fails_outside_the_models_leads_with_tritons_error():
     assert failure_causes(log) == [
         "failed to start GRPC service: Unavailable - Socket '127.0.0.1:39153' already in use"]
     assert failure_causes("I1203 1:2:3.4 5 a.cc:1] \"fine\"\n") == []
+
+
+def test_merlins_launcher_works_from_a_venv_that_is_not_activated(small_repository):
+    """``.venv/bin/python script.py`` with the venv's bin off PATH: importing this package
+    lets Merlin's ``run_triton_server`` find the ``tritonserver`` shim."""
+    _, path = small_repository
+    script = (
+        "import merlin_t4r_ops\n"
+        "from merlin.systems.triton.utils import run_triton_server\n"
+        "from merlin_t4r_ops.serving.server import free_port\n"
+        f"with run_triton_server({str(path)!r}, grpc_port=free_port()) as client:\n"
+        "    print('ready', client.is_model_ready('executor_model'))\n"
+    )
+    environ = {**os.environ, "PATH": "/usr/bin:/bin"}
+    environ.pop("VIRTUAL_ENV", None)
+    done = subprocess.run([sys.executable, "-c", script], env=environ, capture_output=True,
+                          text=True, timeout=400)
+    assert "ready True" in done.stdout, done.stderr[-3000:]

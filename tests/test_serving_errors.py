@@ -14,6 +14,19 @@ from merlin_t4r_ops.serving.client import (
 MODEL = "next_item_full"
 
 
+def assert_one_short_line(message):
+    """One line of at most 200 characters, no traceback; Triton's own refusals excepted.
+
+    Triton refuses a request with the wrong number of inputs before any model runs, with
+    a message of its own that lists every input (300-odd characters here).
+    """
+    if message.startswith("[request id: ") and "inputs for model" in message:
+        return
+    first_line, *rest = message.splitlines()
+    assert len(first_line) <= 200 and not rest, message
+    assert "Traceback" not in message
+
+
 def _good_arrays(n=4, seed=0):
     df = factories.random_sessions(n, np.random.default_rng(seed))
     dtypes = {"item_id-list__values": np.int64, "item_id-list__offsets": np.int32,
@@ -86,17 +99,19 @@ BAD_REQUESTS = {
                            a["item_id-list__values"].astype(np.float32)),
         r"item_id-list__values.*(FP32|TYPE_INT64|INT64)",
     ),
-    "empty batch": (_empty_batch, r"0 rows"),
     "ids beyond the embedding table": (
-        _ids_out_of_range, rf"'item_id-list': ids must be < {factories.ITEMS}.*got {factories.ITEMS + 5}"
+        _ids_out_of_range,
+        rf"'item_id-list': ids must be < {factories.ITEMS}.*got {factories.ITEMS + 5} in row 3",
     ),
-    "negative ids": (_negative_ids, r"'category-list': ids must be >= 0, got -3"),
-    # Merlin's executor builds its TensorTable, and checks offsets, before any operator
-    # runs; its messages do not name the input (merlin-core 23.8, not ours to change).
-    # Operator-level checks of the same faults are pinned in test_ops_unit.py.
-    "decreasing offsets": (_decreasing_offsets, r"Offsets must be in increasing order"),
+    "negative ids": (_negative_ids, r"'category-list': ids must be >= 0, got -3 in row 0"),
+    # Merlin's executor builds its TensorTable, and checks offsets, before any operator runs,
+    # with messages that name no input; TritonRuntime's executor checks them first.
+    "decreasing offsets": (
+        _decreasing_offsets, r"input 'price-list__offsets': offsets must not decrease, but "
+                             r"offsets\[2\]=\d+ < offsets\[1\]=\d+"),
     "offsets that miss values": (
-        _short_offsets, r"The last offset must match the length of the values"
+        _short_offsets, r"input 'item_id-list__offsets': the last offset must equal the "
+                        r"number of values \(\d+\), got \d+"
     ),
     "list columns that disagree in length": (
         _lists_that_disagree,
@@ -111,11 +126,20 @@ BAD_REQUESTS = {
 
 @pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
 def test_bad_request_is_named_and_the_next_one_succeeds(client, served_models, case):
+    """INVALID_ARGUMENT, with one short first line that names the input; no traceback."""
     corrupt, message = BAD_REQUESTS[case]
     _, arrays = _good_arrays()
-    with pytest.raises(InferenceServerException, match=message):
+    with pytest.raises(InferenceServerException, match=message) as caught:
         _infer(client, corrupt(arrays))
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT", caught.value
+    assert_one_short_line(caught.value.message())
     _assert_still_serving(client, served_models)
+
+
+def test_a_request_without_rows_gets_the_declared_outputs_without_rows(client):
+    _, arrays = _good_arrays()
+    answer = _infer(client, _empty_batch(arrays))
+    assert answer.as_numpy("next-item").shape == (0, factories.ITEMS)
 
 
 def test_client_helper_names_a_missing_column(client):

@@ -17,6 +17,7 @@ from merlin.systems.dag import Ensemble
 from tritonclient.utils import InferenceServerException
 
 import t4r_factories as factories
+from test_serving_errors import assert_one_short_line
 from merlin_t4r_ops import PredictT4RPyTorch
 from merlin_t4r_ops.serving import triton_server
 from merlin_t4r_ops.serving.client import (
@@ -136,9 +137,21 @@ def _fuzz_cases(rng):
                       rf"'category-list': ids must be < {factories.CATEGORIES}"))
 
         _, a = _good(rng)
+        ids = a["item_id-list__values"].copy()
+        ids[int(rng.integers(len(ids)))] = factories.ITEMS + int(rng.integers(0, 10**6))
+        cases.append(("item ids beyond the table", {**a, "item_id-list__values": ids},
+                      rf"'item_id-list': ids must be < {factories.ITEMS}.* in row \d"))
+
+        df, _ = _good(rng)
+        row = int(rng.integers(len(df)))
+        df.at[row, "price-list"] = np.append(df.at[row, "price-list"], np.float32(1.0))
+        cases.append(("list columns that disagree", dataframe_arrays(df, DTYPES),
+                      rf"row {row}: the list inputs disagree on the session's length"))
+
+        _, a = _good(rng)
         cases.append(("zero rows", {k: (np.zeros(1, v.dtype) if k.endswith("__offsets")
                                         else np.zeros(0, v.dtype)) for k, v in a.items()},
-                      r"0 rows"))
+                      None))
 
         _, a = _good(rng)
         name = rng.choice(sorted(DTYPES))
@@ -157,11 +170,13 @@ def _fuzz_cases(rng):
 
 
 def test_fuzzed_bad_requests_are_named_and_never_break_the_server(triton, served_models):
+    """200 bad requests: each INVALID_ARGUMENT, one line under 200 characters naming the input;
+    a good request after each gets the eager answer."""
     rng = np.random.default_rng(2024)
     client = triton.client()
     model = served_models[MODEL]
     cases = _fuzz_cases(rng)
-    assert len(cases) >= 200
+    assert sum(message is not None for _, _, message in cases) == 200
     unnamed = []
     for label, arrays, message in cases:
         if message is None:
@@ -170,12 +185,16 @@ def test_fuzzed_bad_requests_are_named_and_never_break_the_server(triton, served
         else:
             with pytest.raises(InferenceServerException) as caught:
                 _infer_arrays(client, arrays)
-            if not re.search(message, str(caught.value)):
-                unnamed.append((label, message, str(caught.value)[:300]))
+            error = caught.value
+            if (not re.search(message, error.message().splitlines()[0])
+                    or error.status() != "StatusCode.INVALID_ARGUMENT"):
+                unnamed.append((label, message, error.status(), error.message()[:300]))
+            assert_one_short_line(error.message())
         df, good = _good(rng, rows=3)
         got = _infer_arrays(client, good).as_numpy("next-item")
         np.testing.assert_allclose(got, factories.eager_scores(model, df), rtol=RTOL, atol=ATOL)
-    print(f"\nfuzz: {len(cases)} bad requests, each followed by a good one that succeeded")
+    print(f"\nfuzz: {len(cases)} requests ({len(cases) - len(unnamed)} answered as expected), "
+          "each followed by a good one that got the eager answer")
     assert unnamed == []
 
 

@@ -1,23 +1,26 @@
 """The operator's folders in an export's ``ensemble/`` directory; an export replaces earlier ones.
 
-``Ensemble.export`` calls every operator's ``save_artifacts`` into one directory and writes
-``ensemble.pkl`` only after the last of them. While an export runs, ``ensemble.pkl`` is
-therefore still the previous export's, and its SHA-256 names the export in progress (its
-*generation*): every operator of this package in one ensemble sees the same one, whereas a
-folder left by an earlier export carries an earlier one. Each folder records its generation
-in ``export.json``, and a folder this package wrote (``t4r_model_<12 hex>`` of
+``Ensemble.export`` calls every operator's ``save_artifacts`` into one directory, from the
+runtime's ``export(ensemble, path)``. The folders this export writes are those of the
+operators in *that graph*: :func:`replacing_earlier_exports` finds the ensemble on the stack
+(Merlin hands an operator the path only), takes the artifact folder of each of its operators,
+and removes every other folder this package wrote there (``t4r_model_<12 hex>`` of
 ``PredictT4RPyTorch`` or ``item_vocabulary_<12 hex>`` of ``DecodeItemIds``, holding our
-``manifest.json``) whose generation differs is removed, file by file: nothing else in the
-directory is touched, not even a stranger's file inside one of our folders.
+``manifest.json``), file by file: nothing else in the directory is touched, not even a
+stranger's file inside one of our folders. Called outside an export (``save_artifacts``
+by hand), it removes nothing.
 """
 
 import contextlib
-import hashlib
+import inspect
 import json
 import re
 import uuid
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Set
+
+from merlin.dag import postorder_iter_nodes
+from merlin.systems.dag import Ensemble
 
 from merlin_t4r_ops.ops.artifacts import MANIFEST_NAME, MODEL_FILES
 from merlin_t4r_ops.ops.vocabulary import VOCABULARY_FILES
@@ -26,8 +29,8 @@ __all__ = ["new_folder_name", "replacing_earlier_exports", "MODEL_PREFIX", "VOCA
 
 MODEL_PREFIX = "t4r_model_"
 VOCABULARY_PREFIX = "item_vocabulary_"
-_STAMP = "export.json"
-_ENSEMBLE_PICKLE = "ensemble.pkl"
+_STAMP = "export.json"  # the folders of the export that wrote this one
+_MAX_FRAMES = 16  # save_artifacts, contextlib, and the runtime's export are a few frames up
 # Each kind of folder and the files this package writes into it.
 _FILES = {MODEL_PREFIX: (*MODEL_FILES, MANIFEST_NAME, _STAMP),
           VOCABULARY_PREFIX: (*VOCABULARY_FILES, MANIFEST_NAME, _STAMP)}
@@ -39,18 +42,27 @@ def new_folder_name(prefix: str = MODEL_PREFIX) -> str:
     return f"{prefix}{uuid.uuid4().hex[:12]}"
 
 
-def _generation(artifact_path: Path) -> str:
-    try:
-        return hashlib.sha256((artifact_path / _ENSEMBLE_PICKLE).read_bytes()).hexdigest()
-    except FileNotFoundError:
-        return "first export"
+def _folders_of_the_graph(name: str) -> Optional[Set[str]]:
+    """The artifact folders of every operator of the ensemble being exported, or ``None``.
 
-
-def _generation_of(folder: Path) -> Optional[str]:
+    ``Ensemble.export`` and every runtime's ``export`` hold the ``ensemble`` in their frame;
+    the graph found must hold the operator that saves into ``name``.
+    """
+    frame = inspect.currentframe()
     try:
-        return json.loads((folder / _STAMP).read_text())["generation"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # written before export.json existed, or damaged
+        for _ in range(_MAX_FRAMES):
+            frame = frame.f_back
+            if frame is None:
+                return None
+            ensemble = frame.f_locals.get("ensemble")
+            if isinstance(ensemble, Ensemble):
+                nodes = postorder_iter_nodes(ensemble.graph.output_node, flatten_subgraphs=True)
+                folders = {getattr(node.op, "_artifact_dir", None) for node in nodes} - {None}
+                if name in folders:
+                    return folders
+        return None
+    finally:
+        del frame  # frames hold references to their locals
 
 
 def _is_ours(folder: Path) -> bool:
@@ -77,13 +89,15 @@ def _remove(folder: Path) -> None:
 def replacing_earlier_exports(artifact_path, name: str) -> Iterator[Path]:
     """Yield ``artifact_path / name`` to save into; then remove earlier exports' folders.
 
-    Nothing is removed if saving fails.
+    Nothing is removed if saving fails, or outside an ``Ensemble.export``.
     """
     artifact_path = Path(artifact_path)
-    generation = _generation(artifact_path)
     folder = artifact_path / name
     yield folder
-    (folder / _STAMP).write_text(json.dumps({"generation": generation}))
+    keep = _folders_of_the_graph(name)
+    (folder / _STAMP).write_text(json.dumps({"export": sorted(keep or [name])}))
+    if keep is None:
+        return
     for other in sorted(artifact_path.iterdir()):
-        if _is_ours(other) and _generation_of(other) != generation:
+        if _is_ours(other) and other.name not in keep:
             _remove(other)

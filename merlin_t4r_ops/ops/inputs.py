@@ -71,7 +71,7 @@ def _lengths_from_offsets(name: str, offsets: np.ndarray, n_values: int) -> np.n
     return lengths.astype(np.int64)
 
 
-def _check_ids(spec: InputSpec, values: np.ndarray) -> None:
+def _check_ids(spec: InputSpec, values: np.ndarray, lengths: Optional[np.ndarray]) -> None:
     if not np.issubdtype(values.dtype, np.integer):
         raise InvalidRequestError(
             f"input {spec.name!r}: expected integer ids, got dtype {values.dtype}"
@@ -81,13 +81,22 @@ def _check_ids(spec: InputSpec, values: np.ndarray) -> None:
     smallest, largest = values.min(), values.max()
     if smallest < 0:
         raise InvalidRequestError(
-            f"input {spec.name!r}: ids must be >= 0, got {smallest}"
+            f"input {spec.name!r}: ids must be >= 0, got {smallest} "
+            f"in row {_row_of(values, lengths, smallest)}"
         )
     if spec.cardinality is not None and largest >= spec.cardinality:
         raise InvalidRequestError(
             f"input {spec.name!r}: ids must be < {spec.cardinality} (the embedding table's "
-            f"size), got {largest}"
+            f"size), got {largest} in row {_row_of(values, lengths, largest)}"
         )
+
+
+def _row_of(values: np.ndarray, lengths: Optional[np.ndarray], value) -> int:
+    """The row of the first ``value`` in ``values``: ragged (with ``lengths``) or one per row."""
+    position = int(np.argmax(values.reshape(-1) == value))
+    if lengths is None:  # [rows] scalars or [rows, width] fixed lists
+        return position // max(1, values.size // max(1, len(values)))
+    return int(np.searchsorted(np.cumsum(lengths), position, side="right"))
 
 
 def to_model_inputs(
@@ -150,7 +159,7 @@ def to_model_inputs(
 
     for spec in specs:
         values, lengths = columns[spec.name]
-        columns[spec.name] = (_checked_values(spec, values), lengths)
+        columns[spec.name] = (_checked_values(spec, values, lengths), lengths)
     # The rule training's loaders follow: ragged lengths, or right-padded columns.
     padded = pad_sessions({spec.name: columns[spec.name] for spec in specs if spec.is_list},
                           sequence_length, [spec.name for spec in specs if spec.is_categorical])
@@ -161,10 +170,11 @@ def to_model_inputs(
     return tensors
 
 
-def _checked_values(spec: InputSpec, values: np.ndarray) -> np.ndarray:
+def _checked_values(spec: InputSpec, values: np.ndarray,
+                    lengths: Optional[np.ndarray]) -> np.ndarray:
     """``values`` as the model's dtype: int64 ids in range, or float32 numbers."""
     if spec.is_categorical:
-        _check_ids(spec, values)
+        _check_ids(spec, values, lengths)
         return values.astype(np.int64, copy=False)
     if not np.issubdtype(values.dtype, np.number):
         raise InvalidRequestError(

@@ -9,7 +9,7 @@ the good ones are concatenated row-wise, and the graph's outputs are cut back in
 per request, in order. Nothing here needs Triton, so it is tested in process.
 """
 
-from typing import Callable, Dict, List, NamedTuple, Sequence, TypeVar
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, TypeVar
 
 import numpy as np
 
@@ -18,8 +18,8 @@ from merlin.table import TensorTable
 from merlin_t4r_ops.errors import InvalidRequestError
 from merlin_t4r_ops.ops.inputs import _lengths_from_offsets
 
-__all__ = ["RequestRows", "answer_each", "request_rows", "concat_requests", "split_outputs",
-           "with_batch_dim"]
+__all__ = ["RequestRows", "answer_each", "request_rows", "row_groups", "concat_requests",
+           "split_outputs", "with_batch_dim"]
 
 VALUES, OFFSETS = "__values", "__offsets"
 Arrays = Dict[str, np.ndarray]
@@ -42,15 +42,18 @@ def _without_batch_dim(name: str, array: np.ndarray) -> np.ndarray:
     return array[0]
 
 
-def request_rows(arrays: Arrays, schema: Schema) -> RequestRows:
+def request_rows(arrays: Arrays, schema: Schema, *, batch_dim: bool = True) -> RequestRows:
     """Check one request's tensors against the ensemble's input ``schema``.
 
     Parameters
     ----------
     arrays : dict of str to numpy.ndarray
-        Triton input name to array, each with its leading batch dimension of 1.
+        Triton input name to array, each with its leading batch dimension of 1 when
+        ``batch_dim`` (a model with ``max_batch_size > 0``), as Merlin declares them otherwise.
     schema : merlin.schema.Schema
         The ensemble's input schema.
+    batch_dim : bool
+        Whether every array carries the request's leading batch dimension of 1.
 
     Raises
     ------
@@ -59,7 +62,8 @@ def request_rows(arrays: Arrays, schema: Schema) -> RequestRows:
         do not start at 0, decrease, or miss the number of values, and inputs that disagree
         on the number of rows.
     """
-    stripped = {name: _without_batch_dim(name, array) for name, array in arrays.items()}
+    stripped = ({name: _without_batch_dim(name, array) for name, array in arrays.items()}
+                if batch_dim else arrays)
     rows = {}
     for column in schema:
         if column.is_ragged:
@@ -71,6 +75,24 @@ def request_rows(arrays: Arrays, schema: Schema) -> RequestRows:
     if len(set(rows.values())) > 1:
         raise InvalidRequestError(f"inputs disagree on the number of rows: {rows}")
     return RequestRows(stripped, next(iter(rows.values()), 0))
+
+
+def row_groups(rows: Sequence[int], max_rows: Optional[int]) -> List[List[int]]:
+    """Indices of requests of ``rows`` rows, in order, grouped to at most ``max_rows`` rows.
+
+    Triton's ``max_batch_size`` counts requests, not rows: 64 requests of 100 rows each would
+    make one table of 6,400 rows, beyond the operator's largest CUDA-graph bucket. A request
+    of more than ``max_rows`` rows runs alone; ``None`` puts every request in one group.
+    """
+    groups: List[List[int]] = []
+    total = 0
+    for index, count in enumerate(rows):
+        if not groups or (max_rows is not None and total + count > max_rows):
+            groups.append([])
+            total = 0
+        groups[-1].append(index)
+        total += count
+    return groups
 
 
 def concat_requests(requests: Sequence[RequestRows], schema: Schema) -> TensorTable:
@@ -145,15 +167,19 @@ def answer_each(run: Callable[[List[Request]], List[Answer]], requests: List[Req
                 failed: Callable[[Exception], Answer]) -> List[Answer]:
     """``run(requests)``; when that raises, each request's own answer or ``failed(error)``.
 
-    A batch that fails is split in halves, and each half run again, down to single
-    requests: a bad request among ``n`` costs about ``2 log2(n)`` more runs rather than
-    ``n``, and every good request is still answered.
+    A batch that fails with a request error (:class:`InvalidRequestError`) is split in
+    halves, and each half run again, down to single requests: a bad request among ``n``
+    costs about ``2 log2(n)`` more runs rather than ``n``, and every good request is still
+    answered. Any other error is the server's fault, which would fail every retry too: each
+    request of the batch is answered with it, and nothing runs again.
     """
     try:
         return run(requests)
-    except Exception as error:  # noqa: BLE001 - answered, or retried in halves
+    except InvalidRequestError as error:  # one request's fault: find it
         if len(requests) == 1:
             return [failed(error)]
+    except Exception as error:  # noqa: BLE001 - a server fault, answered to every request
+        return [failed(error) for _ in requests]
     half = len(requests) // 2
     return (answer_each(run, requests[:half], failed)
             + answer_each(run, requests[half:], failed))

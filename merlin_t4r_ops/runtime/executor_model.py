@@ -1,15 +1,21 @@
-"""Triton Python-backend model that runs a Merlin ensemble once for all the requests it is handed.
+"""Triton Python-backend model that runs a Merlin ensemble, with short errors of the right kind.
 
-:class:`~merlin_t4r_ops.runtime.BatchingTritonRuntime` copies this file as the executor's
-``model.py`` in place of Merlin's ``executor_model.py``. Triton's dynamic batcher hands
-``execute`` several requests; Merlin's executor would run the graph once per request, this
-one checks each request alone, runs the graph once on their rows concatenated, and answers
-each request with its own rows, in order. A request that fails its checks is answered with
-its error and left out of the batch; when the batch itself fails, it is run again in halves,
-down to single requests, so that a bad request fails alone and the others are answered.
+:class:`~merlin_t4r_ops.runtime.TritonRuntime` and
+:class:`~merlin_t4r_ops.runtime.BatchingTritonRuntime` copy this file as the executor's
+``model.py`` in place of Merlin's ``executor_model.py``. Each request is checked alone first
+(offsets, with the operator's own check, before merlin-core builds a ``TensorColumn`` from
+them; its messages name no input). A request without rows gets the declared outputs with no
+rows. A bad request gets ``INVALID_ARG`` with one line naming the input; a server fault gets
+``INTERNAL``; the traceback goes to the server's log (:mod:`merlin_t4r_ops.runtime.replies`).
+
+With a batch dimension (``max_batch_size > 0``, the batching runtime), Triton's dynamic
+batcher hands ``execute`` several requests: their rows run as one table (at most
+``max_batch_rows`` rows, the config parameter) and each request is answered with its own
+rows, in order. When a batch fails with a request error it runs again in halves, so a bad
+request fails alone and the others are answered.
 """
 
-import traceback
+import json
 
 import triton_python_backend_utils as pb_utils
 
@@ -22,18 +28,26 @@ from merlin.systems.triton.conversions import (
 from merlin.systems.triton.models.executor_model import (
     TritonPythonModel as MerlinExecutorModel,
 )
-from merlin_t4r_ops.errors import T4ROpsError
 from merlin_t4r_ops.runtime.batching import (
     answer_each,
     concat_requests,
     request_rows,
+    row_groups,
     split_outputs,
     with_batch_dim,
 )
+from merlin_t4r_ops.runtime.replies import (
+    empty_outputs,
+    is_request_error,
+    log_message,
+    wire_message,
+)
+
+from merlin_t4r_ops.runtime.runtime import MAX_BATCH_ROWS_PARAMETER
 
 
 class TritonPythonModel(MerlinExecutorModel):
-    """Merlin's executor model, batched across the requests of one ``execute`` call."""
+    """Merlin's executor model: errors named and coded, batched across requests if declared."""
 
     def initialize(self, args):
         """Load the ensemble and its operators' artifacts: Merlin's ``initialize``.
@@ -42,6 +56,12 @@ class TritonPythonModel(MerlinExecutorModel):
         from it (:func:`merlin_t4r_ops.ops.device.triton_instance_args`).
         """
         super().initialize(args)
+        config = json.loads(args["model_config"])
+        self.name = args["model_name"]
+        self.batch_dim = int(config.get("max_batch_size", 0)) > 0
+        parameters = config.get("parameters", {})
+        max_rows = parameters.get(MAX_BATCH_ROWS_PARAMETER, {}).get("string_value")
+        self.max_rows = int(max_rows) if max_rows else None
         self.runtime = TritonExecutorRuntime()
         self.input_names = tensor_names(self.ensemble.input_schema)
 
@@ -53,43 +73,44 @@ class TritonPythonModel(MerlinExecutorModel):
             try:
                 arrays = {name: _array_from_triton_tensor(request, name)
                           for name in self.input_names}
-                rows = request_rows(arrays, self.ensemble.input_schema)
+                rows = request_rows(arrays, self.ensemble.input_schema,
+                                    batch_dim=self.batch_dim)
             except Exception as exc:  # noqa: BLE001 - the request is answered with it
-                responses[index] = _error_response(exc)
+                responses[index] = self._error_response(exc)
                 continue
-            batch.append((index, rows))
-        # A request without rows gets the operators' own answer to it, alone.
-        alone = [(i, r) for i, r in batch if r.rows == 0]
-        together = [(i, r) for i, r in batch if r.rows > 0]
-        for group in [together] + [[item] for item in alone]:
-            if group:
-                answers = self._answer_each([rows for _, rows in group])
-                for (index, _), response in zip(group, answers):
-                    responses[index] = response
+            if rows.rows == 0:
+                responses[index] = self._response(empty_outputs(self.ensemble.output_schema))
+            else:
+                batch.append((index, rows))
+        groups = (row_groups([rows.rows for _, rows in batch], self.max_rows)
+                  if self.batch_dim else [[i] for i in range(len(batch))])
+        for group in groups:
+            members = [batch[i] for i in group]
+            answers = answer_each(self._run, [rows for _, rows in members],
+                                  self._error_response)
+            for (index, _), response in zip(members, answers):
+                responses[index] = response
         return responses
-
-    def _answer_each(self, requests):
-        """Run ``requests`` as one batch; if that fails, in halves, so a bad one fails alone."""
-        return answer_each(self._run, requests, _error_response)
 
     def _run(self, requests):
         table = concat_requests(requests, self.ensemble.input_schema)
         outputs = self.ensemble.transform(table, runtime=self.runtime)
-        schema = self.ensemble.output_schema
-        return [
-            pb_utils.InferenceResponse([
-                pb_utils.Tensor(name, array)
-                for name, array in with_batch_dim(match_representations(schema, piece)).items()
-            ])
-            for piece in split_outputs(outputs, [rows.rows for rows in requests])
-        ]
+        return [self._response(piece)
+                for piece in split_outputs(outputs, [rows.rows for rows in requests])]
 
+    def _response(self, arrays):
+        arrays = match_representations(self.ensemble.output_schema, arrays)
+        if self.batch_dim:
+            arrays = with_batch_dim(arrays)
+        return pb_utils.InferenceResponse(
+            [pb_utils.Tensor(name, array) for name, array in arrays.items()])
 
-def _error_response(exc):
-    # The package's own errors say what is wrong with the request; anything else keeps its
-    # traceback, as Merlin's executor does.
-    if isinstance(exc, T4ROpsError):
-        message = f"{type(exc).__name__}: {exc}"
-    else:
-        message = "".join(traceback.format_exception(exc))
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+    def _error_response(self, exc):
+        if is_request_error(exc):
+            pb_utils.Logger.log_verbose(log_message(self.name, exc))
+            code = pb_utils.TritonError.INVALID_ARG
+        else:
+            pb_utils.Logger.log_error(log_message(self.name, exc))
+            code = pb_utils.TritonError.INTERNAL
+        return pb_utils.InferenceResponse(
+            output_tensors=[], error=pb_utils.TritonError(wire_message(exc), code))

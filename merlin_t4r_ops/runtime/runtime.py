@@ -1,8 +1,9 @@
-"""Runtimes for ``Ensemble.export(path, runtime=...)``: instances, and batching across requests.
+"""Runtimes for ``Ensemble.export(path, runtime=...)``: instances, errors, batching.
 
 Both subclass Merlin's ``TritonExecutorRuntime`` and change only what its
-``_executor_model_export`` writes for the executor model; the operators, their artifacts and
-``ensemble.pkl`` are exported by Merlin as they are without a runtime.
+``_executor_model_export`` writes for the executor model (its config, and
+:mod:`merlin_t4r_ops.runtime.executor_model` as its ``model.py``); the operators, their
+artifacts and ``ensemble.pkl`` are exported by Merlin as they are without a runtime.
 """
 
 import importlib.resources
@@ -14,14 +15,24 @@ from google.protobuf import text_format
 from merlin.systems.dag.runtimes.triton import TritonExecutorRuntime
 
 from merlin_t4r_ops.errors import T4ROpsError
+from merlin_t4r_ops.ops.cuda_graphs import DEFAULT_BUCKETS
 from merlin_t4r_ops.runtime.instances import instance_group
 from merlin_t4r_ops.runtime.rowwise import cross_row_ops
 
 __all__ = ["TritonRuntime", "BatchingTritonRuntime"]
 
+MAX_BATCH_ROWS = max(DEFAULT_BUCKETS)  # the operator's largest CUDA-graph bucket
+MAX_BATCH_ROWS_PARAMETER = "max_batch_rows"  # read by executor_model.py
+
 
 class TritonRuntime(TritonExecutorRuntime):
-    """Merlin's Triton runtime, with the executor's ``instance_group`` chosen at export.
+    """Merlin's Triton runtime, with named errors and the ``instance_group`` chosen at export.
+
+    The executor is :mod:`merlin_t4r_ops.runtime.executor_model`: a bad request gets
+    ``INVALID_ARGUMENT`` and one line naming the input (bad offsets included, which Merlin's
+    executor refuses unnamed before any operator runs), a server fault ``INTERNAL``, and a
+    request without rows the declared outputs with none. ``ensemble.export(path)`` without a
+    runtime keeps Merlin's executor and its errors (``INTERNAL``, with a traceback).
 
     Parameters
     ----------
@@ -61,7 +72,10 @@ class TritonRuntime(TritonExecutorRuntime):
         config.instance_group.append(self.instance_group)
 
     def write_model_py(self, target: Path) -> None:
-        """Merlin's executor ``model.py`` is kept as Merlin wrote it."""
+        """This package's executor in place of Merlin's."""
+        source = importlib.resources.files("merlin_t4r_ops.runtime") / "executor_model.py"
+        with importlib.resources.as_file(source) as executor_model:
+            shutil.copyfile(executor_model, target)
 
 
 class BatchingTritonRuntime(TritonRuntime):
@@ -79,7 +93,11 @@ class BatchingTritonRuntime(TritonRuntime):
     Parameters
     ----------
     max_batch_size : int
-        Most **requests** (not rows) in one ``execute`` call.
+        Most **requests** (Triton counts requests, not rows) in one ``execute`` call.
+    max_batch_rows : int
+        Most **rows** the graph runs at once: the requests of one ``execute`` call are run
+        in groups of at most this many rows (a larger request alone). The default is the
+        operator's largest CUDA-graph bucket, so a merged batch never leaves the graphs.
     max_queue_delay_us : int
         How long Triton may hold a request to fill a batch (``dynamic_batching``'s
         ``max_queue_delay_microseconds``). 0 batches only requests already queued while the
@@ -102,15 +120,18 @@ class BatchingTritonRuntime(TritonRuntime):
     ...                 runtime=BatchingTritonRuntime(max_queue_delay_us=500))
     """
 
-    def __init__(self, *, max_batch_size: int = 64, max_queue_delay_us: int = 0,
+    def __init__(self, *, max_batch_size: int = 64, max_batch_rows: int = MAX_BATCH_ROWS,
+                 max_queue_delay_us: int = 0,
                  preferred_batch_sizes: Optional[Sequence[int]] = None, instances: int = 1,
                  instance_kind: str = "auto", gpus: Optional[Sequence[int]] = None):
         super().__init__(instances=instances, instance_kind=instance_kind, gpus=gpus)
         _check_count("max_batch_size", max_batch_size, minimum=1)
+        _check_count("max_batch_rows", max_batch_rows, minimum=1)
         _check_count("max_queue_delay_us", max_queue_delay_us, minimum=0)
         for size in preferred_batch_sizes or ():
             _check_count("preferred_batch_sizes", size, minimum=1, maximum=max_batch_size)
         self.max_batch_size = max_batch_size
+        self.max_batch_rows = max_batch_rows
         self.max_queue_delay_us = max_queue_delay_us
         self.preferred_batch_sizes = list(preferred_batch_sizes or ())
 
@@ -133,12 +154,7 @@ class BatchingTritonRuntime(TritonRuntime):
             model_input.allow_ragged_batch = True
         config.dynamic_batching.max_queue_delay_microseconds = self.max_queue_delay_us
         config.dynamic_batching.preferred_batch_size[:] = self.preferred_batch_sizes
-
-    def write_model_py(self, target: Path) -> None:
-        """This package's batching executor in place of Merlin's."""
-        source = importlib.resources.files("merlin_t4r_ops.runtime") / "executor_model.py"
-        with importlib.resources.as_file(source) as executor_model:
-            shutil.copyfile(executor_model, target)
+        config.parameters[MAX_BATCH_ROWS_PARAMETER].string_value = str(self.max_batch_rows)
 
 
 def _check_count(name, value, *, minimum, maximum=None):

@@ -12,12 +12,15 @@ import logging
 import socket
 import warnings
 from importlib import metadata
+from typing import Optional, Sequence
 
 from merlin_t4r_ops.errors import ExposedServerWarning
 
-__all__ = ["LOOPBACK", "is_loopback", "warn_if_exposed"]
+__all__ = ["LOOPBACK", "ADDRESS_FLAGS", "is_loopback", "warn_if_exposed", "flag_value",
+           "has_flag", "warn_for_addresses"]
 
 LOOPBACK = "127.0.0.1"
+ADDRESS_FLAGS = ("--http-address", "--grpc-address", "--metrics-address")
 LOGGER = logging.getLogger(__name__)
 
 
@@ -74,3 +77,30 @@ def warn_if_exposed(host: str, stacklevel: int = 3) -> bool:
     if LOGGER.hasHandlers():
         LOGGER.warning("%s", message)
     return True
+
+
+def has_flag(args: Sequence[str], flag: str) -> bool:
+    """Whether ``args`` hold ``flag``, as ``--flag value`` or ``--flag=value``."""
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def flag_value(args: Sequence[str], flag: str) -> Optional[str]:
+    """The value of ``--flag=value`` or ``--flag value`` in ``args``, the last one winning."""
+    value = None
+    for index, arg in enumerate(args):
+        if arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+        elif arg == flag and index + 1 < len(args):
+            value = args[index + 1]
+    return value
+
+
+def warn_for_addresses(command: Sequence[str], stacklevel: int = 4) -> None:
+    """Warn once for each address that a ``tritonserver`` ``command`` binds beyond loopback.
+
+    ``tritonserver`` takes the last of a repeated flag, so an address in a caller's extra
+    arguments, appended after the launcher's own, is the one it binds, and is checked.
+    """
+    addresses = {flag_value(command, flag) for flag in ADDRESS_FLAGS} - {None}
+    for address in sorted(addresses):
+        warn_if_exposed(address, stacklevel=stacklevel)

@@ -11,7 +11,12 @@ import os
 import sys
 from typing import List, Mapping, Optional, Sequence
 
-from merlin_t4r_ops.serving.binding import LOOPBACK, warn_if_exposed
+from merlin_t4r_ops.serving.binding import (
+    ADDRESS_FLAGS,
+    LOOPBACK,
+    has_flag,
+    warn_for_addresses,
+)
 from merlin_t4r_ops.serving.server import free_port, server_command
 from merlin_t4r_ops.serving.triton_env import (
     backend_directory,
@@ -24,7 +29,6 @@ __all__ = ["serve_main", "tritonserver_main", "shim_command", "HOST_VARIABLE"]
 # Merlin's run_triton_server writes the command line itself: the environment is the only
 # way to open the shim up from there.
 HOST_VARIABLE = "MERLIN_T4R_TRITON_HOST"
-ADDRESS_FLAGS = ("--http-address", "--grpc-address", "--metrics-address")
 
 
 def serve_main(argv=None) -> None:
@@ -36,6 +40,8 @@ def serve_main(argv=None) -> None:
     parser.add_argument("model_repository")
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--metrics-port", type=int, default=8002,
+                        help="Triton's Prometheus metrics, on 127.0.0.1 (default %(default)s)")
     parser.add_argument("--host", default=LOOPBACK,
                         help="address to bind (default %(default)s; anything else warns, "
                              "see the README's security section)")
@@ -44,27 +50,13 @@ def serve_main(argv=None) -> None:
         parser.error(f"MODEL_REPOSITORY {args.model_repository!r} is not a directory")
     grpc_port = args.grpc_port or free_port(args.host)
     http_port = args.http_port or free_port(args.host)
+    metrics_port = args.metrics_port or free_port()
     command = server_command(args.model_repository, host=args.host, grpc_port=grpc_port,
-                             http_port=http_port, extra_args=extra)
+                             http_port=http_port, metrics_port=metrics_port, extra_args=extra)
     print(f"merlin-t4r-serve: gRPC on {args.host}:{grpc_port}, "
-          f"HTTP on {args.host}:{http_port}", flush=True)
+          f"HTTP on {args.host}:{http_port}, metrics on {LOOPBACK}:{metrics_port}", flush=True)
     # exec: signals reach the server directly and no wrapper process is left behind.
     os.execve(command[0], command, server_environment())
-
-
-def _has_flag(args: Sequence[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in args)
-
-
-def _flag_value(args: Sequence[str], flag: str) -> Optional[str]:
-    """The value of ``--flag=value`` or ``--flag value`` in ``args``, the last one winning."""
-    value = None
-    for index, arg in enumerate(args):
-        if arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-        elif arg == flag and index + 1 < len(args):
-            value = args[index + 1]
-    return value
 
 
 def _pop_host(args: Sequence[str]):
@@ -86,11 +78,10 @@ def shim_command(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -
     host, args = _pop_host(argv)
     host = host or environ.get(HOST_VARIABLE) or LOOPBACK
     for flag in ADDRESS_FLAGS:
-        if not _has_flag(args, flag):
+        if not has_flag(args, flag):
             args.append(f"{flag}={host}")
-    for address in {_flag_value(args, flag) for flag in ADDRESS_FLAGS}:
-        warn_if_exposed(address)
-    if not _has_flag(args, "--backend-directory"):
+    warn_for_addresses(args)
+    if not has_flag(args, "--backend-directory"):
         args.append(f"--backend-directory={backend_directory()}")
     return [str(tritonserver_executable()), *args]
 

@@ -14,8 +14,9 @@ with a leading dimension of 1 and every output comes back with one, which is dro
 """
 
 import importlib
+import weakref
 from types import ModuleType
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -25,8 +26,8 @@ from merlin_t4r_ops.errors import InvalidRequestError
 
 __all__ = [
     "arrays_to_inputs", "dataframe_arrays", "dataframe_to_inputs", "response_to_dataframe",
-    "infer_dataframe", "model_metadata", "client_protocol", "protocol_module",
-    "has_batch_dimension",
+    "infer_dataframe", "model_metadata", "model_spec", "ModelSpec", "client_protocol",
+    "protocol_module", "has_batch_dimension",
 ]
 
 EXECUTOR_MODEL = "executor_model"
@@ -72,16 +73,84 @@ def has_batch_dimension(client, model_name: str) -> bool:
     return int(config.get("max_batch_size", 0)) > 0
 
 
-def _input_specs(metadata: dict) -> Tuple[Dict[str, np.dtype], Dict[str, List[int]]]:
-    inputs = metadata["inputs"]
-    return ({spec["name"]: triton_to_np_dtype(spec["datatype"]) for spec in inputs},
-            {spec["name"]: spec["shape"] for spec in inputs})
+class ModelSpec(NamedTuple):
+    """What ``infer_dataframe`` needs to know of a model: read once per client and model."""
+
+    dtypes: Dict[str, np.dtype]  # input name to numpy dtype
+    shapes: Dict[str, List[int]]  # input name to the shape of one request
+    output_names: List[str]
+    batch_dimension: bool
+
+
+# client -> model name -> ModelSpec; a client that is garbage collected takes its entries along.
+_SPECS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def model_spec(client, model_name: str, *, refresh: bool = False) -> ModelSpec:
+    """The model's inputs, outputs and batch dimension, from the server once per client.
+
+    Parameters
+    ----------
+    client : tritonclient.grpc.InferenceServerClient or tritonclient.http.InferenceServerClient
+    model_name : str
+    refresh : bool
+        Ask the server again (after the model was re-exported and reloaded), and keep that.
+    """
+    cached = _SPECS.setdefault(client, {})
+    if refresh or model_name not in cached:
+        metadata = model_metadata(client, model_name)
+        batch_dimension = has_batch_dimension(client, model_name)
+        inputs = metadata["inputs"]
+        shapes = {spec["name"]: spec["shape"] for spec in inputs}
+        if batch_dimension:  # the metadata's shapes start with the batch dimension
+            shapes = {name: shape[1:] for name, shape in shapes.items()}
+        cached[model_name] = ModelSpec(
+            {spec["name"]: triton_to_np_dtype(spec["datatype"]) for spec in inputs}, shapes,
+            [spec["name"] for spec in metadata["outputs"]], batch_dimension)
+    return cached[model_name]
+
+
+def _list_rows(series: pd.Series) -> list:
+    """The rows of a list column; a scalar or None in one is refused, naming it."""
+    rows = series.tolist()
+    for index, row in enumerate(rows):
+        if not isinstance(row, (np.ndarray, list, tuple)):
+            raise InvalidRequestError(
+                f"column {series.name!r} row {index}: expected a list of values, "
+                f"got {row!r} ({type(row).__name__})"
+            )
+    return rows
+
+
+def _cast(name: str, values: np.ndarray, dtype, row_of) -> np.ndarray:
+    """``values`` as ``dtype``; a float with a fraction, NaN or inf sent as an integer id is
+    refused, naming the column and the row (``row_of(position)``), not cast."""
+    if (np.issubdtype(np.dtype(dtype), np.integer) and values.dtype == object
+            and not all(isinstance(v, (int, np.integer)) for v in values.reshape(-1))):
+        try:  # floats or None (as NaN) among them: checked as floats below
+            values = values.astype(np.float64)
+        except (TypeError, ValueError) as error:
+            raise InvalidRequestError(
+                f"column {name!r}: expected integer ids ({np.dtype(dtype).name}), got "
+                f"values that are not numbers ({error})"
+            ) from error
+    if np.issubdtype(np.dtype(dtype), np.integer) and np.issubdtype(values.dtype, np.floating):
+        flat = values.reshape(-1)
+        bad = ~np.isfinite(flat)
+        bad[~bad] = flat[~bad] != np.round(flat[~bad])
+        if bad.any():
+            position = int(np.argmax(bad))
+            raise InvalidRequestError(
+                f"column {name!r} row {row_of(position)}: expected integer ids "
+                f"({np.dtype(dtype).name}), got {float(flat[position])!r}"
+            )
+    return values.astype(dtype, copy=False)
 
 
 def _ragged(series: pd.Series, values_dtype, offsets_dtype):
     # Plain Python over the rows: pandas' map and a per-row asarray cost more than the
     # copy itself for the few short sessions of a request.
-    rows = series.tolist()
+    rows = _list_rows(series)
     lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     offsets = np.zeros(len(rows) + 1, dtype=offsets_dtype)
     np.cumsum(lengths, out=offsets[1:])
@@ -91,7 +160,11 @@ def _ragged(series: pd.Series, values_dtype, offsets_dtype):
         values = np.concatenate(rows)
     else:
         values = np.concatenate([np.asarray(row) for row in rows])
-    return values.astype(values_dtype, copy=False), offsets
+
+    def row_of(position):
+        return int(np.searchsorted(offsets, position, side="right")) - 1
+
+    return _cast(series.name, values, values_dtype, row_of), offsets
 
 
 def _column(df: pd.DataFrame, name: str, dtypes) -> pd.Series:
@@ -115,10 +188,11 @@ def _dense(series: pd.Series, dtype, shape: Optional[List[int]]) -> np.ndarray:
                 f"column {series.name!r}: the model takes lists of one length {shape}, "
                 f"the rows have lengths {lengths}"
             )
-        array = np.stack([np.asarray(row) for row in series])
+        array = np.stack([np.asarray(row) for row in _list_rows(series)])
     else:
         array = series.to_numpy()
-    array = array.astype(dtype, copy=False)
+    width = max(1, array.size // max(1, len(array)))
+    array = _cast(series.name, array, dtype, lambda position: position // width)
     if shape is None or len(shape) == array.ndim:
         return array
     if len(shape) == 2 and array.ndim == 1 and shape[1] in (1, -1):
@@ -223,7 +297,7 @@ def response_to_dataframe(response, output_names: Sequence[str], *,
         if name.endswith(_VALUES):
             offsets = output(name[: -len(_VALUES)] + _OFFSETS)
             columns[name[: -len(_VALUES)]] = np.split(array, offsets[1:-1])
-        elif array.ndim > 1 and array.shape[1] > 1:
+        elif array.ndim > 1:  # a fixed-length list, of length 1 too (top_k=1)
             columns[name] = list(array)
         else:
             columns[name] = array.reshape(len(array))
@@ -238,40 +312,52 @@ def infer_dataframe(
     output_names: Optional[List[str]] = None,
     dtypes: Optional[Dict[str, np.dtype]] = None,
     batch_dimension: Optional[bool] = None,
+    refresh_metadata: bool = False,
 ) -> pd.DataFrame:
     """Send ``df`` to ``model_name``; return the outputs as a DataFrame.
+
+    The model's metadata and config are read from the server on the first call for a client
+    and model (:func:`model_spec`) and kept: every later call is one RPC, the inference.
 
     Parameters
     ----------
     client : tritonclient.grpc.InferenceServerClient or tritonclient.http.InferenceServerClient
     df : pandas.DataFrame
         One row per session (list columns hold each session's items), or one row per
-        event for a workflow whose ``Groupby`` builds the sessions.
+        event for a workflow whose ``Groupby`` builds the sessions. Integer ids may come as
+        floats without a fraction; a fraction, NaN or inf in an id column is refused.
     model_name : str
         The Triton model to call, ``executor_model`` for an exported ensemble.
     output_names : list of str, optional
-        Outputs to ask for; all of the model's outputs by default.
+        Outputs to ask for; all of the model's outputs by default. A fixed-length list
+        output comes back as a list column, of length 1 too.
     dtypes : dict, optional
-        Input name to numpy dtype. When given, and ``output_names`` too, no metadata is
-        fetched and scalar columns go as ``[rows]``; otherwise the model's metadata gives
-        every input's dtype and shape.
+        Input name to numpy dtype. When given, and ``output_names`` and ``batch_dimension``
+        too, no metadata is read and scalar columns go as ``[rows]``; otherwise the model's
+        metadata gives every input's dtype and shape.
     batch_dimension : bool, optional
         Whether the model takes each request as one batch entry (exported with
         :class:`merlin_t4r_ops.runtime.BatchingTritonRuntime`); read from the server's model
         config when omitted.
+    refresh_metadata : bool
+        Read the model's metadata and config from the server again (after a reload).
+
+    Raises
+    ------
+    InvalidRequestError
+        Naming the column (and row): missing, a scalar or None where a list belongs, a
+        fraction or NaN in an id column, lists of several lengths for a fixed-length input.
     """
     protocol = client_protocol(client)
     shapes = None
-    if dtypes is None or output_names is None:
-        metadata = model_metadata(client, model_name)
-        known_dtypes, shapes = _input_specs(metadata)
-        dtypes = dtypes or known_dtypes
-        if output_names is None:
-            output_names = [spec["name"] for spec in metadata["outputs"]]
-    if batch_dimension is None:
-        batch_dimension = has_batch_dimension(client, model_name)
-    if batch_dimension and shapes:  # the metadata's shapes start with the batch dimension
-        shapes = {name: shape[1:] for name, shape in shapes.items()}
+    if dtypes is None or output_names is None or batch_dimension is None:
+        spec = model_spec(client, model_name, refresh=refresh_metadata)
+        shapes = spec.shapes
+        dtypes = dtypes or spec.dtypes
+        output_names = output_names or spec.output_names
+        batch_dimension = spec.batch_dimension if batch_dimension is None else batch_dimension
+        if not spec.batch_dimension and batch_dimension:
+            shapes = None  # the caller's choice: the declared shapes have no batch dimension
     response = client.infer(
         model_name,
         dataframe_to_inputs(df, dtypes, protocol, shapes, batch_dimension=batch_dimension),

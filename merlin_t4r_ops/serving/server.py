@@ -16,7 +16,7 @@ from typing import Dict, Iterator, List, Optional
 import psutil
 
 from merlin_t4r_ops.errors import ServerStartError
-from merlin_t4r_ops.serving.binding import LOOPBACK, warn_if_exposed
+from merlin_t4r_ops.serving.binding import LOOPBACK, warn_for_addresses
 from merlin_t4r_ops.serving.client import protocol_module
 from merlin_t4r_ops.serving.lifetime import popen_tied_to_this_process
 from merlin_t4r_ops.serving.triton_log import failure_causes
@@ -39,14 +39,20 @@ def free_port(host: str = LOOPBACK) -> int:
 
 
 def server_command(
-    model_repository, *, host: str, grpc_port: int, http_port: int, extra_args=()
+    model_repository, *, host: str, grpc_port: int, http_port: int,
+    metrics_port: Optional[int] = None, extra_args=()
 ) -> List[str]:
     """The ``tritonserver`` command line for a repository, bound to ``host``.
 
-    Warns (:class:`~merlin_t4r_ops.errors.ExposedServerWarning`) when ``host`` is not loopback.
+    Prometheus metrics are served on 127.0.0.1 at ``metrics_port`` whatever ``host`` is
+    (without a port, metrics are off). Warns
+    (:class:`~merlin_t4r_ops.errors.ExposedServerWarning`) for every address that is not
+    loopback, ``host`` or one that ``extra_args`` give (``--http-address=0.0.0.0``...).
     """
-    warn_if_exposed(host)
-    return [
+    metrics = (["--allow-metrics=false"] if metrics_port is None else
+               ["--allow-metrics=true", f"--metrics-address={LOOPBACK}",
+                f"--metrics-port={metrics_port}"])
+    command = [
         str(tritonserver_executable()),
         f"--model-repository={Path(model_repository).resolve()}",
         f"--backend-directory={backend_directory()}",
@@ -54,14 +60,15 @@ def server_command(
         f"--http-port={http_port}",
         f"--grpc-address={host}",
         f"--grpc-port={grpc_port}",
-        # The metrics endpoint would take a fixed port (8002) and collide between servers.
-        "--allow-metrics=false",
+        *metrics,
         # Explicit control with every model loaded at start: the same models as the default
         # mode, and a model whose stub died can be loaded again without a server restart.
         "--model-control-mode=explicit",
         "--load-model=*",
         *extra_args,
     ]
+    warn_for_addresses(command)
+    return command
 
 
 @dataclass
@@ -72,6 +79,7 @@ class TritonServer:
     grpc_url: str
     http_url: str
     log_path: Path
+    metrics_url: Optional[str] = None  # Prometheus text, http://127.0.0.1:PORT/metrics
     _clients: list = field(default_factory=list, repr=False)
     _handled_stubs: set = field(default_factory=set, repr=False)
     _stub_models: dict = field(default_factory=dict, repr=False)
@@ -206,9 +214,10 @@ def start_server(
         raise ServerStartError(f"model_repository {model_repository!r} is not a directory")
     grpc_port = grpc_port or free_port(host)
     http_port = http_port or free_port(host)
+    metrics_port = free_port()
     command = server_command(
         model_repository, host=host, grpc_port=grpc_port, http_port=http_port,
-        extra_args=extra_args,
+        metrics_port=metrics_port, extra_args=extra_args,
     )
     if log_path is None:
         handle, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
@@ -228,6 +237,7 @@ def start_server(
         grpc_url=f"{host}:{grpc_port}",
         http_url=f"{host}:{http_port}",
         log_path=Path(log_path),
+        metrics_url=f"http://{LOOPBACK}:{metrics_port}/metrics",
     )
 
 

@@ -29,6 +29,7 @@ from merlin_t4r_ops.errors import ServerStartError
 
 __all__ = [
     "tritonserver_executable", "backend_directory", "server_environment", "stub_threads",
+    "put_scripts_on_path",
 ]
 
 
@@ -114,3 +115,19 @@ def stub_threads(cpus: Optional[int] = None) -> int:
     """
     cpus = cpus or os.cpu_count() or 1
     return max(1, min(4, cpus // 4))
+
+
+def put_scripts_on_path(environ=os.environ) -> None:
+    """Append this environment's scripts folder to ``PATH`` when it holds our ``tritonserver``.
+
+    Merlin's ``run_triton_server`` runs ``shutil.which("tritonserver")``, looked up when
+    ``merlin.systems.triton.utils`` is imported: from a venv that is not activated
+    (``.venv/bin/python script.py``) it found nothing and failed. Appended, not prepended:
+    a ``tritonserver`` already on ``PATH`` (an NGC container's) still wins.
+    """
+    scripts = sysconfig.get_path("scripts")
+    if not (Path(scripts) / "tritonserver").is_file():
+        return
+    parts = [part for part in environ.get("PATH", "").split(os.pathsep) if part]
+    if scripts not in parts:
+        environ["PATH"] = os.pathsep.join([*parts, scripts])

@@ -1,0 +1,90 @@
+"""``infer_dataframe`` and friends: what a DataFrame may hold, what comes back, how many RPCs."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import t4r_factories as factories
+from merlin_t4r_ops.errors import InvalidRequestError
+from merlin_t4r_ops.serving.client import dataframe_arrays, infer_dataframe
+
+DTYPES = {"item_id-list__values": np.int64, "item_id-list__offsets": np.int32,
+          "category-list__values": np.int64, "category-list__offsets": np.int32,
+          "price-list__values": np.float32, "price-list__offsets": np.int32}
+
+
+def _sessions(rows=3, seed=0):
+    return factories.random_sessions(rows, np.random.default_rng(seed))
+
+
+@pytest.mark.parametrize("bad, shown", [(3.5, "3.5"), (np.nan, "nan"), (np.inf, "inf")])
+def test_float_ids_with_a_fraction_or_nan_are_refused_naming_the_column(bad, shown):
+    df = _sessions()
+    df.at[1, "item_id-list"] = np.r_[df.at[1, "item_id-list"].astype(float), bad]
+    df.at[1, "category-list"] = np.r_[df.at[1, "category-list"], 1]
+    df.at[1, "price-list"] = np.r_[df.at[1, "price-list"], 1.0]
+    with pytest.raises(InvalidRequestError,
+                       match=rf"column 'item_id-list' row 1: expected integer ids \(int64\), "
+                             rf"got {shown}"):
+        dataframe_arrays(df, DTYPES)
+
+
+def test_whole_float_ids_are_sent_as_the_integers_they_are():
+    df = _sessions()
+    floats = df.assign(**{"item_id-list": [ids.astype(float) for ids in df["item_id-list"]]})
+    for name, array in dataframe_arrays(floats, DTYPES).items():
+        np.testing.assert_array_equal(array, dataframe_arrays(df, DTYPES)[name])
+
+
+def test_a_scalar_id_column_with_nan_is_refused():
+    df = pd.DataFrame({"user": [4.0, np.nan]})
+    with pytest.raises(InvalidRequestError,
+                       match=r"column 'user' row 1: expected integer ids \(int64\), got nan"):
+        dataframe_arrays(df, {"user": np.int64})
+
+
+@pytest.mark.parametrize("bad", [7, None])
+def test_a_scalar_or_none_where_a_list_belongs_is_named(bad):
+    df = _sessions()
+    df["item_id-list"] = df["item_id-list"].astype(object)
+    df.at[2, "item_id-list"] = bad
+    with pytest.raises(InvalidRequestError,
+                       match=rf"column 'item_id-list' row 2: expected a list of values, "
+                             rf"got {bad!r}"):
+        dataframe_arrays(df, DTYPES)
+
+
+def test_top_1_answers_a_list_of_one_per_row(client, served_models):
+    df = _sessions(rows=4, seed=3)
+    got = infer_dataframe(client, df, model_name="next_item_top1")
+    expected = np.argmax(factories.eager_scores(served_models["next_item_topk"], df), axis=1)
+    assert [np.asarray(ids).shape for ids in got["item_ids"]] == [(1,)] * 4
+    np.testing.assert_array_equal(np.stack(got["item_ids"])[:, 0], expected)
+
+
+def _counting(client, monkeypatch):
+    calls = []
+    for name in ("get_model_metadata", "get_model_config", "infer"):
+        method = getattr(client, name)
+
+        def counted(*args, _method=method, _name=name, **kwargs):
+            calls.append(_name)
+            return _method(*args, **kwargs)
+        monkeypatch.setattr(client, name, counted)
+    return calls
+
+
+def test_metadata_is_read_once_per_client_and_model(triton, monkeypatch):
+    client = triton.client()
+    calls = _counting(client, monkeypatch)
+    df = _sessions()
+    first = infer_dataframe(client, df, model_name="next_item_full")
+    assert sorted(calls) == ["get_model_config", "get_model_metadata", "infer"]
+    calls.clear()
+    for _ in range(3):
+        again = infer_dataframe(client, df, model_name="next_item_full")
+    assert calls == ["infer"] * 3
+    np.testing.assert_array_equal(np.stack(again["next-item"]), np.stack(first["next-item"]))
+    calls.clear()
+    infer_dataframe(client, df, model_name="next_item_full", refresh_metadata=True)
+    assert sorted(calls) == ["get_model_config", "get_model_metadata", "infer"]
