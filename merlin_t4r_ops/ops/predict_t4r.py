@@ -99,7 +99,9 @@ class PredictT4RPyTorch(BaseOperator):
         adopted, T4R's (its ``model.output_schema``, the item-id column's dtype, as
         ``model(batch)`` returns them); with this ``top_k``, int32 (half the bytes). Ids that stand for no item never appear: the padding id, and for an
         item-id column made by NVTabular's ``Categorify`` its null and out-of-vocabulary
-        ids, as its schema says. A ``top_k`` larger than the ids left is refused here.
+        ids, as its schema says, or the graph when the ``Ensemble`` is built (the column
+        a ``TransformWorkflow`` hands over, the vocabulary of a ``DecodeItemIds`` of this
+        top-k). A ``top_k`` larger than the ids left is refused here.
     exclude_seen : bool, default False
         With ``top_k``: also leave out of each row's top-k every item of that row's
         session as the request sent it, including the older items that cropping to the
