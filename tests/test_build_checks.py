@@ -153,3 +153,43 @@ def test_a_list_for_a_scalar_input_is_refused(served_models):
             r"column 'device': the operator's input schema declares a list, the model's input "
             r"block takes a scalar")):
         PredictT4RPyTorch(model, listed)
+
+
+needs_cuda = pytest.mark.skipif(not __import__("torch").cuda.is_available(),
+                                reason="needs a CUDA GPU, torch sees none")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_cuda_an_id_beyond_the_table_is_refused_and_the_device_keeps_working(tutorial):
+    """Before the fix the id reached the embedding lookup: a device-side assert, after which
+    every CUDA call of the process fails."""
+    import copy
+
+    model = copy.deepcopy(tutorial["model"]).cuda()
+    sessions = _encoded_sessions(tutorial).head(4)
+    op = PredictT4RPyTorch(model, top_k=5)
+    bad = sessions.copy()
+    bad[etl.ITEM] = [np.array([5, _catalogue(model) + 7], dtype=np.int64)] * len(bad)
+    with pytest.raises(InvalidRequestError, match="embedding table"):
+        op.transform(None, bad)
+    assert len(op.transform(None, sessions)) == len(sessions)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_cuda_graphs_captured_before_the_build_mask_the_ids_the_graph_reserves(tutorial):
+    """The operator answers in process first (its CUDA graphs captured with only id 0
+    reserved), then joins an ensemble whose workflow reserves 1 and 2 too."""
+    import copy
+
+    from merlin.systems.dag import Ensemble
+    from merlin.systems.dag.ops.workflow import TransformWorkflow
+
+    workflow, model = tutorial["workflow"], copy.deepcopy(tutorial["model"]).cuda()
+    top_k = _catalogue(model) - len(RESERVED)
+    op = PredictT4RPyTorch(model, top_k=top_k, cuda_graph_buckets=(1, 64))
+    op.transform(None, _encoded_sessions(tutorial).head(1))  # captures the graphs
+    pipeline = workflow.input_schema.column_names >> TransformWorkflow(workflow) >> op
+    answer = Ensemble(pipeline, workflow.input_schema).transform(tutorial["events"].head(100))
+    assert len(answer) and not np.isin(_all_ids(answer), RESERVED).any()

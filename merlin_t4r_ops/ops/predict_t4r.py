@@ -216,7 +216,9 @@ class PredictT4RPyTorch(BaseOperator):
         if reserved == self.reserved_item_ids:
             return
         self.reserved_item_ids = reserved
+        # A captured CUDA graph reads the cached reserved tensor: both are made again.
         self.__dict__.pop("_reserved_cache", None)
+        self.__dict__.pop("_graphs", None)
         if self.top_k is not None:
             self._check_top_k_fits()
 
