@@ -9,6 +9,7 @@ a ``DecodeItemIds`` behind and the model's own embedding tables say what is true
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 import tutorial_factories as etl
 from merlin_t4r_ops import DecodeItemIds, PredictT4RPyTorch
@@ -155,7 +156,23 @@ def test_a_list_for_a_scalar_input_is_refused(served_models):
         PredictT4RPyTorch(model, listed)
 
 
-needs_cuda = pytest.mark.skipif(not __import__("torch").cuda.is_available(),
+def test_a_model_reading_columns_the_workflow_does_not_write_fails_the_build(
+        tutorial, served_models):
+    """A model of other column names (``item_id-list``) behind the tutorial's workflow
+    (``item_id-list_seq``): named with what the workflow writes."""
+    from merlin.systems.dag import Ensemble
+    from merlin.systems.dag.ops.workflow import TransformWorkflow
+
+    workflow = tutorial["workflow"]
+    pipeline = (workflow.input_schema.column_names >> TransformWorkflow(workflow)
+                >> PredictT4RPyTorch(served_models["next_item_full"]))
+    with pytest.raises(SchemaMismatchError, match=(
+            r"needs column 'item_id-list', which the graph does not produce; the parent "
+            rf"produces \['{etl.SESSION}', '{etl.ITEM}', '{etl.CATEGORY}'\]")):
+        Ensemble(pipeline, workflow.input_schema)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU, torch sees none")
 
 
