@@ -19,6 +19,7 @@ from merlin_t4r_ops.errors import SessionLengthError, T4ROpsError
 
 __all__ = [
     "core_schema",
+    "input_block_sizes",
     "crop_and_pad",
     "crop_and_pad_rows",
     "pad_sessions",
@@ -53,22 +54,27 @@ def _list_names(schema) -> list:
     return [column.name for column in schema if column.is_list] if schema is not None else []
 
 
+def input_block_sizes(model) -> dict:
+    """``{column: size}`` of the model's input block, as T4R's ``from_schema`` built it:
+    ``[batch, width]`` for a list column, ``[batch]`` for a scalar one; ``{}`` if none."""
+    from transformers4rec.torch.features.tabular import TabularFeatures
+
+    for module in model.modules():
+        sizes = getattr(module, "input_size", None)
+        if isinstance(module, TabularFeatures) and isinstance(sizes, dict):
+            return sizes
+    return {}
+
+
 def _input_block_length(model, schema) -> Optional[int]:
     """The width ``TabularSequenceFeatures.from_schema(max_sequence_length=...)`` was built for.
 
     T4R keeps it only in the block's ``input_size``: ``[batch, width]`` per list column.
     """
-    from transformers4rec.torch.features.tabular import TabularFeatures
-
-    names = _list_names(schema)
-    for module in model.modules():
-        sizes = getattr(module, "input_size", None)
-        if isinstance(module, TabularFeatures) and isinstance(sizes, dict):
-            widths = [sizes[n][1] for n in names if n in sizes and len(sizes[n]) > 1]
-            widths = [int(w) for w in widths if w and w > 0]
-            if widths:
-                return max(widths)
-    return None
+    sizes = input_block_sizes(model)
+    widths = [sizes[n][1] for n in _list_names(schema) if n in sizes and len(sizes[n]) > 1]
+    widths = [int(w) for w in widths if w and w > 0]
+    return max(widths) if widths else None
 
 
 def _transformer_length(model) -> Optional[int]:

@@ -137,3 +137,24 @@ def triton(model_repository):
 @pytest.fixture(scope="session")
 def client(triton):
     return triton.client()
+
+
+@pytest.fixture(scope="session")
+def tutorial(tmp_path_factory):
+    """T4R's tutorial ETL fitted on random events, its schema read with
+    ``merlin_standard_lib``, and an (untrained) XLNet built from that schema.
+
+    Returns a dict: ``workflow``, ``events``, ``schema`` (standard_lib), ``model``,
+    ``directory`` (Categorify's tables, schema.pbtxt).
+    """
+    import tutorial_factories as tutorial
+    from merlin.io import Dataset
+
+    directory = tmp_path_factory.mktemp("tutorial")
+    rng = np.random.default_rng(17)
+    events = tutorial.events(rng, 150, tutorial.item_catalogue(60))
+    workflow = tutorial.tutorial_workflow(directory)
+    workflow.fit(Dataset(events))
+    schema = tutorial.standard_lib_schema(tutorial.write_schema_pbtxt(workflow, directory))
+    return dict(workflow=workflow, events=events, schema=schema,
+                model=tutorial.xlnet_model(schema).eval(), directory=directory)

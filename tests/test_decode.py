@@ -149,6 +149,53 @@ def test_item_ids_without_categorify_are_refused(tmp_path):
         DecodeItemIds(nvt.Workflow(categories))
 
 
+@pytest.fixture(scope="module")
+def filtered_tutorial(tmp_path_factory):
+    """T4R's tutorial ETL with its Filter on the session length: (workflow, events)."""
+    import tutorial_factories as tutorial
+    from merlin.io import Dataset
+
+    rng = np.random.default_rng(11)
+    events = tutorial.events(rng, 80, tutorial.item_catalogue(50))
+    workflow = tutorial.tutorial_workflow(tmp_path_factory.mktemp("filtered"), minimum_length=3,
+                                          with_count=True)
+    workflow.fit(Dataset(events))
+    return workflow, events
+
+
+def test_decode_follows_the_item_ids_through_the_tutorial_etl(filtered_tutorial):
+    """Categorify on the event rows, then Groupby's list, ListSlice, Rename, TagAsItemID,
+    Filter and ValueCount: the vocabulary is Categorify's table of the event-level column."""
+    import tutorial_factories as tutorial
+
+    workflow, events = filtered_tutorial
+    vocabulary = DecodeItemIds(workflow).vocabulary
+    assert vocabulary.column == tutorial.ITEM
+    table = pd.read_parquet(workflow.output_schema[tutorial.ITEM].properties["cat_path"])
+    np.testing.assert_array_equal(vocabulary.raw_ids, table["item_id"].to_numpy())
+    sessions = encode(workflow, events).set_index(tutorial.SESSION)[tutorial.ITEM]
+    raw = events.sort_values("timestamp").groupby(tutorial.SESSION)["item_id"].agg(list)
+    for session, codes in sessions.items():
+        np.testing.assert_array_equal(vocabulary.decode(np.asarray(codes)),
+                                      raw[session][-tutorial.MAX_LEN:])
+
+
+def test_a_count_of_the_item_ids_is_not_decoded(filtered_tutorial):
+    """Groupby's ``item_id-count`` carries Categorify's properties, but holds no item ids."""
+    workflow, _ = filtered_tutorial
+    with pytest.raises(SchemaMismatchError, match=(
+            r"'item_id-count' is an aggregation of 'item_id' by Groupby that is not one of "
+            r"\['list', 'first', 'last'\]")):
+        DecodeItemIds(workflow, column="item_id-count")
+
+
+def test_an_unfitted_workflow_is_refused(tmp_path):
+    import tutorial_factories as tutorial
+
+    with pytest.raises(SchemaMismatchError, match=r"needs a fitted workflow.*call workflow.fit"):
+        DecodeItemIds(tutorial.tutorial_workflow(tmp_path))
+
+
 def test_a_parent_without_item_ids_is_refused(session_workflow):
     from merlin.schema import ColumnSchema, Schema
     from merlin.systems.dag import Ensemble

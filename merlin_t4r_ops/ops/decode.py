@@ -25,7 +25,9 @@ class DecodeItemIds(BaseOperator):
     """Map ``item_ids`` to the raw ids of the workflow's item-id column; pass the rest on.
 
     The raw ids come from the fitted Categorify vocabulary of the column that the
-    workflow tags ``Tags.ITEM_ID``. The decoded ``item_ids`` have the raw column's dtype:
+    workflow tags ``Tags.ITEM_ID``, found through the workflow's graph (Categorify on the
+    event rows, then Groupby, ListSlice, Rename, tags, as in T4R's tutorial ETL; see
+    :mod:`merlin_t4r_ops.ops.lineage`). The decoded ``item_ids`` have the raw column's dtype:
     integers stay integers, strings travel to Triton clients as BYTES. A slot that no item
     was left for (``exclude_seen`` took them all; id ``-1``, scored ``-inf``) stays ``-1``;
     it becomes ``""`` for string ids, and the dtype's largest value for unsigned ones. An id
@@ -45,7 +47,8 @@ class DecodeItemIds(BaseOperator):
     Raises
     ------
     SchemaMismatchError
-        If the workflow has no item-id column made by Categorify (the message names it).
+        If the workflow is not fitted, or has no item-id column made by Categorify (the
+        message names it and any operator on the way that may change the ids).
 
     Examples
     --------

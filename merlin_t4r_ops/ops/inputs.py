@@ -29,16 +29,23 @@ class InputSpec:
     cardinality: Optional[int]  # ids must lie in [0, cardinality)
 
 
-def input_specs(schema: Schema) -> List[InputSpec]:
-    """One :class:`InputSpec` per column of a T4R model's input schema."""
+def input_specs(schema: Schema, embedding_rows: Optional[Dict[str, int]] = None
+                ) -> List[InputSpec]:
+    """One :class:`InputSpec` per column of a T4R model's input schema.
+
+    An id must lie inside its embedding table: ``embedding_rows`` (the model's own tables,
+    :func:`~merlin_t4r_ops.ops.model_block.embedding_rows`) says how many rows each has;
+    without it, the schema's ``domain`` does (T4R sizes a table ``max + 1`` rows).
+    """
     specs = []
     for column in schema:
         # As T4R's from_schema: ids are the CATEGORICAL columns; an integer CONTINUOUS one
         # (a quantity) is numbers, where 0 and negatives are values.
         categorical = Tags.CATEGORICAL in column.tags
         domain = column.int_domain
-        # T4R sizes each embedding table int_domain.max + 1 rows.
         cardinality = int(domain.max) + 1 if categorical and domain and domain.max else None
+        if categorical and embedding_rows and column.name in embedding_rows:
+            cardinality = embedding_rows[column.name]
         specs.append(InputSpec(column.name, bool(column.is_list), bool(categorical), cardinality))
     return specs
 

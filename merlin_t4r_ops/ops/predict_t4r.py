@@ -24,6 +24,7 @@ from merlin_t4r_ops.ops.inputs import input_specs, to_model_inputs
 from merlin_t4r_ops.ops.masking import (
     mask_scores, reserved_item_ids, seen_items, seen_matrix, top_k_unmasked,
 )
+from merlin_t4r_ops.ops.model_block import check_columns_against_model, embedding_rows
 from merlin_t4r_ops.ops.skeleton import holds_any
 from merlin_t4r_ops.sequence import resolve_sequence_length
 from merlin_t4r_ops.wrappers import unwrap_model
@@ -98,7 +99,9 @@ class PredictT4RPyTorch(BaseOperator):
         adopted, T4R's (its ``model.output_schema``, the item-id column's dtype, as
         ``model(batch)`` returns them); with this ``top_k``, int32 (half the bytes). Ids that stand for no item never appear: the padding id, and for an
         item-id column made by NVTabular's ``Categorify`` its null and out-of-vocabulary
-        ids, as its schema says. A ``top_k`` larger than the ids left is refused here.
+        ids, as its schema says, or the graph when the ``Ensemble`` is built (the column
+        a ``TransformWorkflow`` hands over, the vocabulary of a ``DecodeItemIds`` of this
+        top-k). A ``top_k`` larger than the ids left is refused here.
     exclude_seen : bool, default False
         With ``top_k``: also leave out of each row's top-k every item of that row's
         session as the request sent it, including the older items that cropping to the
@@ -172,6 +175,8 @@ class PredictT4RPyTorch(BaseOperator):
         self.exclude_seen = bool(exclude_seen)
         self.output_prefix = output_prefix
         self._task_names = list(self.model.output_schema.column_names)
+        check_columns_against_model(self._input_schema, self.model, "the operator's input schema")
+        self._embedding_rows = embedding_rows(self.model)
         self.reserved_item_ids = self._reserved_item_ids()
         self._output_schema = self._derive_output_schema(output_schema)
         self.max_sequence_length = resolve_sequence_length(
@@ -179,7 +184,7 @@ class PredictT4RPyTorch(BaseOperator):
             required_for="the operator pads every request to one width",
         )
         self.requested_device = None if device is None else str(device)
-        self._specs = input_specs(self._input_schema)
+        self._specs = input_specs(self._input_schema, self._embedding_rows)
         self._artifact_dir = new_folder_name()
         self.cuda_graph_buckets = check_buckets(cuda_graph_buckets)
 
@@ -196,14 +201,26 @@ class PredictT4RPyTorch(BaseOperator):
         """How many item ids the next-item head scores (its score matrix's width)."""
         return int(self.model.output_schema.first.shape.dims[1].max)
 
-    def _reserved_item_ids(self) -> tuple:
+    def _reserved_item_ids(self, column: Optional[ColumnSchema] = None) -> tuple:
+        """The reserved ids that ``column`` (default the model's own item-id column) says."""
         item_column = self._item_id_column()
         task = _next_item_task(self.model)
         if item_column is None or task is None:
             return ()
-        return reserved_item_ids(
-            self._input_schema[item_column], getattr(task, "padding_idx", 0)
-        )
+        column = self._input_schema[item_column] if column is None else column
+        return reserved_item_ids(column, getattr(task, "padding_idx", 0))
+
+    def _reserve_also(self, ids) -> None:
+        """Add ``ids`` to the reserved ids, and check again that ``top_k`` fits."""
+        reserved = tuple(sorted(set(self.reserved_item_ids) | {int(i) for i in ids}))
+        if reserved == self.reserved_item_ids:
+            return
+        self.reserved_item_ids = reserved
+        # A captured CUDA graph reads the cached reserved tensor: both are made again.
+        self.__dict__.pop("_reserved_cache", None)
+        self.__dict__.pop("_graphs", None)
+        if self.top_k is not None:
+            self._check_top_k_fits()
 
     def _derive_output_schema(self, given: Optional[Schema]) -> Schema:
         prefix = self.output_prefix
@@ -290,7 +307,9 @@ class PredictT4RPyTorch(BaseOperator):
                 f"PredictT4RPyTorch needs column {missing[0]!r}, which the graph does not "
                 f"produce; the parent produces {available.column_names}"
             )
-        return Schema([available[name] for name in self._input_schema.column_names])
+        upstream = Schema([available[name] for name in self._input_schema.column_names])
+        check_columns_against_model(upstream, self.model, "the graph (its parent's output schema)")
+        return upstream
 
     def compute_output_schema(
         self, input_schema: Schema, col_selector: ColumnSelector, prev_output_schema=None
@@ -301,10 +320,41 @@ class PredictT4RPyTorch(BaseOperator):
     def validate_schemas(
         self, parents_schema, deps_schema, input_schema, output_schema, strict_dtypes=False
     ):
-        """Refuse a graph in which this operator's outputs meet same-named columns."""
+        """Reserve the ids the graph's Categorify reserves; refuse colliding outputs.
+
+        The model's own schema may not say which ids Categorify reserved (a
+        ``merlin_standard_lib`` schema loses its properties on T4R's conversion); the graph
+        does: the item-id column as a ``TransformWorkflow`` hands it over carries them, and a
+        ``DecodeItemIds`` of this top-k holds the vocabulary itself.
+        """
+        item_column = self._item_id_column()
+        if item_column is not None and item_column in input_schema.column_names:
+            self._reserve_also(self._reserved_item_ids(input_schema[item_column]))
         node = calling_node(self)
         if node is not None:
             refuse_colliding_outputs(node, self._output_schema.column_names)
+            self._reserve_for_decoders(node)
+
+    def _reserve_for_decoders(self, node) -> None:
+        """Reserve every id the vocabulary of a ``DecodeItemIds`` of this top-k has no item
+        for, after checking that it covers exactly the item embedding table's rows."""
+        from merlin_t4r_ops.ops.decode import DecodeItemIds
+
+        ids_column = self.output_prefix + TOP_K_IDS
+        rows = self._embedding_rows.get(self._item_id_column())
+        for child in node.children:
+            if not (isinstance(child.op, DecodeItemIds) and child.op.ids_column == ids_column):
+                continue
+            vocabulary = child.op.vocabulary
+            encoded = vocabulary.first_id + len(vocabulary.raw_ids)
+            if rows is not None and encoded != rows:
+                raise SchemaMismatchError(
+                    f"DecodeItemIds decodes {ids_column!r} with the vocabulary of "
+                    f"{vocabulary.column!r}, which encodes ids 0 to {encoded - 1} ({encoded} "
+                    f"ids), and the model's item embedding table has {rows} rows: the model "
+                    "was not trained on this workflow"
+                )
+            self._reserve_also(range(vocabulary.first_id))
 
     # -- artifacts: the model never goes into ensemble.pkl ---------------------------------
     def __getstate__(self):

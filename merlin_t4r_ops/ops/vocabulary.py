@@ -25,6 +25,7 @@ import merlin.dtypes as md
 from merlin.schema import Tags
 from merlin_t4r_ops.errors import (
     AmbiguousFillerWarning, ArtifactError, SchemaMismatchError, T4ROpsError)
+from merlin_t4r_ops.ops.lineage import categorify_of
 from merlin_t4r_ops.ops.masking import FILLER_ID
 
 __all__ = ["ItemVocabulary", "VOCABULARY_FILES"]
@@ -97,8 +98,8 @@ class ItemVocabulary:
             No (or more than one) item-id column, or the column is not made by Categorify.
         """
         column = _item_id_column(workflow, column)
-        categorify = _categorify_of(workflow, column)
-        first_id, raw_ids = _read_unique_values(categorify, column)
+        categorify, encoded = _categorify_of(workflow, column)
+        first_id, raw_ids = _read_unique_values(categorify, encoded)
         return cls(column, first_id, raw_ids)
 
     def decode(self, encoded: np.ndarray, source: str = "item_ids") -> np.ndarray:
@@ -152,6 +153,11 @@ class ItemVocabulary:
 
 def _item_id_column(workflow, column: Optional[str]) -> str:
     outputs = workflow.output_schema
+    if outputs is None:  # Merlin computes a workflow's output schema in fit
+        raise SchemaMismatchError(
+            "DecodeItemIds needs a fitted workflow, got one that is not fitted (its "
+            "output_schema is None): call workflow.fit first"
+        )
     if column is not None:
         if column not in outputs.column_names:
             raise SchemaMismatchError(
@@ -169,22 +175,14 @@ def _item_id_column(workflow, column: Optional[str]) -> str:
 
 
 def _categorify_of(workflow, column: str):
-    """The fitted ``Categorify`` operator that outputs ``column``."""
-    from merlin.dag import iter_nodes
-    from nvtabular.ops import Categorify
-
-    for node in iter_nodes([workflow.output_node]):
-        if isinstance(node.op, Categorify) and column in node.output_schema.column_names:
-            if node.op.encode_type == "combo" or node.op.single_table:
-                raise SchemaMismatchError(
-                    f"column {column!r} is Categorify-d with encode_type='combo' or "
-                    "single_table=True, whose ids do not map to one raw item id each"
-                )
-            return node.op
-    raise SchemaMismatchError(
-        f"column {column!r} is not encoded by a Categorify in this workflow, so there is no "
-        "vocabulary to decode its ids with: DecodeItemIds needs the item ids Categorify-d"
-    )
+    """The fitted ``Categorify`` that encoded ``column``, and its name there."""
+    categorify, encoded = categorify_of(workflow, column)
+    if categorify.encode_type == "combo" or categorify.single_table:
+        raise SchemaMismatchError(
+            f"column {column!r} is Categorify-d with encode_type='combo' or "
+            "single_table=True, whose ids do not map to one raw item id each"
+        )
+    return categorify, encoded
 
 
 def _read_unique_values(categorify, column: str):
