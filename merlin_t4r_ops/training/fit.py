@@ -58,7 +58,7 @@ from tqdm.auto import tqdm
 
 from merlin_t4r_ops.errors import StrategyError
 from merlin_t4r_ops.training.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
-from merlin_t4r_ops.training.data import make_loader, to_device
+from merlin_t4r_ops.training.data import batches_of, first_batch, make_loader, to_device
 from merlin_t4r_ops.training.data_parallel import batch_loss, forward_batch
 from merlin_t4r_ops.training.metrics import MetricAccumulator
 from merlin_t4r_ops.training.state import (
@@ -142,8 +142,8 @@ def _evaluate(model, loader, state: DistributedState, amp: bool) -> dict:
     accumulator = MetricAccumulator(inner, state)
     was_training = inner.training
     inner.eval()
-    with torch.no_grad():
-        for x, y in loader:
+    with torch.no_grad(), batches_of(loader) as batches:
+        for x, y in batches:
             x, y = to_device(x, state.device), to_device(y, state.device)
             with _autocast(amp, state):
                 output = forward_batch(runner, x, y, testing=True)
@@ -309,7 +309,7 @@ def fit(
         if state.is_distributed and find_unused_parameters is None:
             # Before restoring RNG states: a resumed run must continue the
             # uninterrupted run's random stream, which drew this probe at its start.
-            batch = next(iter(train_loader), None)
+            batch = first_batch(train_loader)
             batch = None if batch is None else tuple(to_device(b, state.device) for b in batch)
             unused, disagree = probe_unused_parameters(model, batch, state)
             frozen = freeze(model, unused)
@@ -406,16 +406,18 @@ def _even_batches(loader, n_local, n_steps):
     (a resumed run would then differ from an uninterrupted one).
     """
     if n_steps is None or n_steps <= n_local:
-        yield from loader
+        with batches_of(loader) as batches:
+            yield from batches
         return
     produced = 0
     while produced < n_steps:
         before = produced
-        for batch in loader:
-            yield batch
-            produced += 1
-            if produced == n_steps:
-                return
+        with batches_of(loader) as batches:
+            for batch in batches:
+                yield batch
+                produced += 1
+                if produced == n_steps:
+                    return
         if produced == before:
             return  # empty shard: join() covers the missing steps
 

@@ -29,6 +29,8 @@ loop and the saving/logging guards.
 """
 
 import contextlib
+import itertools
+import weakref
 from typing import List, Optional
 
 import torch
@@ -45,7 +47,13 @@ from transformers4rec.torch.utils.torch_utils import nested_detach
 
 from merlin_t4r_ops.errors import StrategyError
 from merlin_t4r_ops.sequence import resolve_sequence_length
-from merlin_t4r_ops.training.data import DP_NEEDS_WIDTH, ShardedLoader, as_dataset, model_columns
+from merlin_t4r_ops.training.data import (
+    DP_NEEDS_WIDTH,
+    ShardedLoader,
+    as_dataset,
+    batches_of,
+    model_columns,
+)
 from merlin_t4r_ops.training.data_parallel import (
     batch_loss,
     data_parallel,
@@ -113,6 +121,7 @@ class Trainer(T4RTrainer):
         self.dist_state = resolve_strategy(strategy)
         _align_args(args, self.dist_state)
         # T4R's default `callbacks=[]` is one shared list that incremental logging appends to.
+        self._loaders = weakref.WeakSet()  # closed when train() returns, see train()
         super().__init__(model=model, args=args, callbacks=list(callbacks or []), **kwargs)
 
     # ---- data -----------------------------------------------------------------------------
@@ -132,7 +141,7 @@ class Trainer(T4RTrainer):
             required_for=DP_NEEDS_WIDTH if self.dist_state.strategy == "dp" else None,
         )
         inputs, targets = model_columns(self.model)
-        return ShardedLoader(
+        loader = ShardedLoader(
             as_dataset(path, self.schema),
             self.dist_state,
             batch_size,
@@ -145,6 +154,20 @@ class Trainer(T4RTrainer):
             # Every optimizer step is a collective: ranks need equal batch counts.
             equal_shards=train,
         )
+        self._loaders.add(loader)
+        return loader
+
+    def train(self, *args, **kwargs):
+        """T4R's ``train``; then the passes it left open end their reading threads.
+
+        Hugging Face stops iterating at ``max_steps`` (and the unused-parameter or
+        ``eval_steps_on_train_set`` passes stop early too) without closing the pass.
+        """
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            for loader in list(self._loaders):
+                loader.close()
 
     def get_train_dataloader(self):
         """Train loader: shuffled and balanced by rows every epoch; user-given loaders as is."""
@@ -266,23 +289,22 @@ class Trainer(T4RTrainer):
         acc = MetricAccumulator(core, self.dist_state)
         predictions, n_rows = [], 0
         max_steps = self.args.eval_steps_on_train_set if metric_key_prefix == "train" else 0
-        for step, inputs in enumerate(dataloader):
-            if max_steps and step >= max_steps:
-                break
-            n_rows += find_batch_size(inputs) or 0
-            _, preds, labels, stats = self.prediction_step(
-                model, inputs, not (with_metrics or keep_predictions), ignore_keys, testing=testing
-            )
-            if testing:
-                acc.update({**stats, "predictions": preds, "labels": labels})
-                if preds is not None:
-                    self._log_batch(core, step, preds, labels, next_items, metric_key_prefix)
-            elif keep_predictions:
-                top_k = select_top_k(preds, next_items, self.args.predict_top_k, core.top_k)
-                predictions.append(send_to_device(top_k, "cpu"))
-            self.control = self.callback_handler.on_prediction_step(
-                self.args, self.state, self.control
-            )
+        with batches_of(dataloader) as batches:
+            for step, inputs in enumerate(itertools.islice(batches, max_steps or None)):
+                n_rows += find_batch_size(inputs) or 0
+                _, preds, labels, stats = self.prediction_step(
+                    model, inputs, not (with_metrics or keep_predictions), ignore_keys, testing=testing
+                )
+                if testing:
+                    acc.update({**stats, "predictions": preds, "labels": labels})
+                    if preds is not None:
+                        self._log_batch(core, step, preds, labels, next_items, metric_key_prefix)
+                elif keep_predictions:
+                    top_k = select_top_k(preds, next_items, self.args.predict_top_k, core.top_k)
+                    predictions.append(send_to_device(top_k, "cpu"))
+                self.control = self.callback_handler.on_prediction_step(
+                    self.args, self.state, self.control
+                )
 
         metrics = {}
         if testing:
