@@ -182,3 +182,43 @@ def test_fit_dataparallel_gathers_dict_outputs(task, data):
         "single", 0, 0, 1, torch.device("cuda:0"), "ref"))
     for name, value in single.items():
         assert history[-1][f"eval_{name}"] == pytest.approx(value, rel=1e-4, abs=1e-5), name
+
+
+class RecordedSessions(torch.utils.data.Dataset):
+    """T4R's packaged sessions, cropped and padded; remembers the order rows are read in."""
+
+    def __init__(self, frame, width):
+        from merlin_t4r_ops.sequence import crop_and_pad
+
+        self.columns = {}
+        for name in ("item_id/list", "category/list"):
+            lists = frame[name].map(list)
+            values = torch.tensor([v for row in lists for v in row], dtype=torch.int64)
+            lengths = torch.tensor(lists.map(len).tolist())
+            self.columns[name] = crop_and_pad(values, lengths, width)
+        self.read = []
+
+    def __len__(self):
+        return len(self.columns["item_id/list"])
+
+    def __getitem__(self, index):
+        self.read.append(int(index))
+        return {name: column[index] for name, column in self.columns.items()}, {}
+
+
+def test_fit_sets_the_epoch_of_a_users_distributed_sampler():
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sessions = RecordedSessions(factories.testing_frame().iloc[:96], factories.TESTING_MAX_LEN)
+    sampler = DistributedSampler(sessions, num_replicas=2, rank=1, shuffle=True, seed=3)
+    orders = []
+    fit(factories.testing_model(), DataLoader(sessions, batch_size=16, sampler=sampler), epochs=3,
+        strategy=CPU_SINGLE, progress=False,
+        callbacks=[lambda entry: orders.append(sessions.read[-48:])])
+
+    assert len(sessions.read) == 3 * 48
+    for epoch, order in enumerate(orders):
+        expected = DistributedSampler(sessions, num_replicas=2, rank=1, shuffle=True, seed=3)
+        expected.set_epoch(epoch)
+        assert order == list(expected)
+    assert len({tuple(order) for order in orders}) == 3

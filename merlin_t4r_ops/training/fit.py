@@ -422,12 +422,26 @@ def _even_batches(loader, n_local, n_steps):
             return  # empty shard: join() covers the missing steps
 
 
+def _set_epoch(loader, epoch: int) -> None:
+    """Give ``epoch`` to whatever orders the batches, as Hugging Face's Trainer does.
+
+    A :class:`~merlin_t4r_ops.training.data.ShardedLoader` takes it itself; a user's
+    ``DataLoader`` through its sampler (``DistributedSampler`` shuffles from
+    ``seed + epoch``, so without it every epoch repeats the first one's order).
+    """
+    samplers = [getattr(loader, "sampler", None),
+                getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
+    for target in [loader, *samplers]:
+        if hasattr(target, "set_epoch"):
+            target.set_epoch(epoch)
+            return
+
+
 def _train_epoch(
     wrapped, loader, optimizer, state, epoch, epochs, amp, scaler, max_grad_norm, step_scheduler,
     progress,
 ) -> dict:
-    if hasattr(loader, "set_epoch"):
-        loader.set_epoch(epoch)
+    _set_epoch(loader, epoch)
     wrapped.train()
     loss_sum = torch.zeros(2, dtype=torch.float64)
     samples = 0
