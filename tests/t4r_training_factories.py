@@ -171,6 +171,20 @@ def testing_dataset(frame, npartitions=4):
     return Dataset(dd.from_pandas(frame, npartitions=npartitions), schema=core_schema(testing_schema()))
 
 
+def testing_batch(frame):
+    """``frame``'s item-id and category lists cropped and padded to ``TESTING_MAX_LEN``."""
+    import torch
+
+    from merlin_t4r_ops.sequence import crop_and_pad
+
+    batch = {}
+    for name in testing_schema().column_names:
+        lists = frame[name].map(list)
+        values = torch.tensor([v for row in lists for v in row], dtype=torch.int64)
+        batch[name] = crop_and_pad(values, torch.tensor(lists.map(len).tolist()), TESTING_MAX_LEN)
+    return batch
+
+
 def testing_model(masking="clm", d_model=16, seed=0):
     """A tiny XLNet next-item model over :func:`testing_schema`, dropout 0."""
     import torch

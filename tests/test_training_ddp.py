@@ -23,10 +23,11 @@ from merlin_t4r_ops.training import DistributedState, evaluate, load_checkpoint,
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "training_scripts", "ddp_fit.py")
+LOSS_SCRIPT = os.path.join(REPO, "tests", "training_scripts", "ddp_loss.py")
 CPU = torch.device("cpu")
 
 
-def torchrun(out, *script_args, nproc=2, timeout=240):
+def torchrun(out, *script_args, nproc=2, timeout=240, script=SCRIPT):
     """Run the DDP script under torchrun with a free port; return per-rank (json, weights)."""
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -35,7 +36,7 @@ def torchrun(out, *script_args, nproc=2, timeout=240):
     env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU even where a GPU exists
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", SCRIPT, "--out", str(out), *map(str, script_args),
+        f"--nproc_per_node={nproc}", script, "--out", str(out), *map(str, script_args),
     ]
     # Logs go to files, not pipes: a hung worker would hold a pipe open.
     with open(out / "stdout.log", "w") as stdout, open(out / "stderr.log", "w") as stderr:
@@ -222,3 +223,40 @@ def test_ddp_resume_with_node_local_disks_follows_the_newest_checkpoint(data, un
     assert load_checkpoint(local / "0")["epoch"] == 3
     if holder == 0:
         assert os.listdir(local / "1") == []
+
+
+@pytest.mark.parametrize("masking", ["clm", "mlm"])
+def test_ddp_gradient_is_the_gradient_of_the_global_batch(masking, data):
+    """Ranks of 16 and 32 sessions (unequal target counts), one SGD step with lr 1.
+
+    Before: each rank's loss was the mean over its own targets, and DDP averaged the
+    two, weighing a target of the 16-session rank twice as much as one of the other.
+    """
+    sys.path.insert(0, os.path.dirname(LOSS_SCRIPT))
+    from ddp_loss import SEED, SPLITS
+    from accelerate.utils import set_seed
+
+    ranks, _ = torchrun(data["root"] / f"out-loss-{masking}", "--masking", masking,
+                        script=LOSS_SCRIPT, timeout=180)
+    (_, w0), (_, w1) = ranks
+    assert_same_weights(w0, w1)
+
+    model = factories.testing_model(masking)
+    frame = factories.testing_frame()
+    model.train()
+    if masking == "clm":  # deterministic: one forward pass over the 48 sessions
+        loss = model(factories.testing_batch(frame.iloc[:48]), training=True)["loss"]
+    else:  # MLM masks each rank's rows from that rank's random stream (seed + rank)
+        sums, count = 0, 0
+        for rank, (start, stop) in enumerate(SPLITS):
+            set_seed(SEED + rank)
+            batch = factories.testing_batch(frame.iloc[start:stop])
+            model(batch, training=True)  # fit's unused-parameter probe draws its masks first
+            out = model(batch, training=True)
+            sums, count = sums + out["loss"] * len(out["labels"]), count + len(out["labels"])
+        loss = sums / count
+    loss.backward()
+    with torch.no_grad():
+        expected = {n: p - p.grad if p.grad is not None else p for n, p in model.named_parameters()}
+    trained = {n: w0[n] for n in expected}
+    assert_same_weights(trained, expected, rtol=1e-5, atol=1e-6)

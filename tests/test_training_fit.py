@@ -187,15 +187,8 @@ def test_fit_dataparallel_gathers_dict_outputs(task, data):
 class RecordedSessions(torch.utils.data.Dataset):
     """T4R's packaged sessions, cropped and padded; remembers the order rows are read in."""
 
-    def __init__(self, frame, width):
-        from merlin_t4r_ops.sequence import crop_and_pad
-
-        self.columns = {}
-        for name in ("item_id/list", "category/list"):
-            lists = frame[name].map(list)
-            values = torch.tensor([v for row in lists for v in row], dtype=torch.int64)
-            lengths = torch.tensor(lists.map(len).tolist())
-            self.columns[name] = crop_and_pad(values, lengths, width)
+    def __init__(self, frame):
+        self.columns = factories.testing_batch(frame)
         self.read = []
 
     def __len__(self):
@@ -209,7 +202,7 @@ class RecordedSessions(torch.utils.data.Dataset):
 def test_fit_sets_the_epoch_of_a_users_distributed_sampler():
     from torch.utils.data import DataLoader, DistributedSampler
 
-    sessions = RecordedSessions(factories.testing_frame().iloc[:96], factories.TESTING_MAX_LEN)
+    sessions = RecordedSessions(factories.testing_frame().iloc[:96])
     sampler = DistributedSampler(sessions, num_replicas=2, rank=1, shuffle=True, seed=3)
     orders = []
     fit(factories.testing_model(), DataLoader(sessions, batch_size=16, sampler=sampler), epochs=3,

@@ -59,7 +59,7 @@ from tqdm.auto import tqdm
 from merlin_t4r_ops.errors import StrategyError
 from merlin_t4r_ops.training.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from merlin_t4r_ops.training.data import batches_of, first_batch, make_loader, to_device
-from merlin_t4r_ops.training.data_parallel import batch_loss, forward_batch
+from merlin_t4r_ops.training.data_parallel import forward_batch, rank_loss
 from merlin_t4r_ops.training.metrics import MetricAccumulator
 from merlin_t4r_ops.training.state import (
     DistributedState,
@@ -384,16 +384,25 @@ def _join(wrapped, state):
 
 
 def _step_count(loader, state):
-    """``(local, target)`` batch counts; target is the largest rank's count under DDP."""
+    """``(local, target, lockstep)`` batch counts; target is the largest rank's count under DDP.
+
+    ``lockstep`` (the same on every rank): every rank takes every step, so a collective
+    per step (:func:`rank_loss`'s target count) is safe. Not so when some loader has no
+    ``len()`` or some rank has no batch; then DDP's ``join`` shadows its own all-reduces only.
+    """
     try:
         n_local = len(loader)
     except TypeError:
-        return None, None
+        n_local = None
     if not state.is_distributed:
-        return n_local, n_local
-    count = torch.tensor([n_local], dtype=torch.int64, device=state.device)
+        return n_local, n_local, True
+    known = -1 if n_local is None else n_local
+    count = torch.tensor([known, -known], dtype=torch.int64, device=state.device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return n_local, int(count.item())
+    most, fewest = int(count[0]), -int(count[1])
+    if fewest < 0:
+        return n_local, None, False
+    return n_local, most, fewest > 0
 
 
 def _even_batches(loader, n_local, n_steps):
@@ -446,7 +455,7 @@ def _train_epoch(
     loss_sum = torch.zeros(2, dtype=torch.float64)
     samples = 0
     start = time.perf_counter()
-    n_local, n_steps = _step_count(loader, state)
+    n_local, n_steps, lockstep = _step_count(loader, state)
     bar = tqdm(
         _even_batches(loader, n_local, n_steps),
         total=n_steps,
@@ -459,7 +468,8 @@ def _train_epoch(
             x, y = to_device(x, state.device), to_device(y, state.device)
             optimizer.zero_grad(set_to_none=True)
             with _autocast(amp, state):
-                loss = batch_loss(forward_batch(wrapped, x, y, training=True))
+                output = forward_batch(wrapped, x, y, training=True)
+                loss = rank_loss(output, unwrap_model(wrapped), state if lockstep else None)
             if scaler is not None:
                 scaler.scale(loss).backward()
                 scaler.unscale_(optimizer)
