@@ -320,10 +320,18 @@ class ShardedLoader:
         self.id_columns = [c.name for c in schema if Tags.CATEGORICAL in c.tags]
         self.partition_lengths = _partition_lengths(dataset)
         self._passes = weakref.WeakSet()
+        self._skip_rows = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next pass read ``epoch`` (same order on every rank)."""
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Make the next pass read ``epoch`` (same order on every rank).
+
+        ``skip_batches``: the next pass starts after that many of its batches (a run
+        resumed mid-epoch); their rows are not read. Later passes start at their first.
+        """
+        if not isinstance(skip_batches, int) or skip_batches < 0:
+            raise ValueError(f"skip_batches must be a non-negative int, got {skip_batches!r}")
         self.epoch = int(epoch)
+        self._skip_rows = skip_batches * self.batch_size
 
     def shard(self, epoch: int) -> List[Tuple[int, int, int]]:
         """``(partition, start, stop)`` row ranges this rank reads in ``epoch``, in order."""
@@ -346,9 +354,9 @@ class ShardedLoader:
         return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
 
     def __iter__(self) -> EpochBatches:
-        epoch = self.epoch
-        self.epoch += 1
-        batches = self._batches(epoch)
+        epoch, skip_rows = self.epoch, self._skip_rows
+        self.epoch, self._skip_rows = epoch + 1, 0
+        batches = self._batches(epoch, skip_rows)
         self._passes.add(batches)
         return batches
 
@@ -357,13 +365,14 @@ class ShardedLoader:
         for batches in list(self._passes):
             batches.close()
 
-    def _epoch_loader(self, epoch: int):
-        """Merlin's ``Loader`` over this rank's rows of ``epoch``, or None for an empty shard."""
+    def _epoch_loader(self, epoch: int, skip_rows: int = 0):
+        """Merlin's ``Loader`` over this rank's rows of ``epoch`` after the first
+        ``skip_rows``, or None when none is left."""
         import dask.dataframe as dd
         from merlin.dataloader.torch import Loader
         from merlin.io import Dataset
 
-        pieces = self.shard(epoch)
+        pieces = _after_rows(self.shard(epoch), skip_rows)
         if not pieces:
             return None
         frame = self.dataset.to_ddf(columns=self.schema.column_names).clear_divisions()
@@ -381,11 +390,26 @@ class ShardedLoader:
         device = self.state.device.index if self.state.device.type == "cuda" else "cpu"
         return Loader(shard, self.batch_size, drop_last=self.drop_last, device=device)
 
-    def _batches(self, epoch: int) -> EpochBatches:
+    def _batches(self, epoch: int, skip_rows: int) -> EpochBatches:
         pad = None
         if self.max_sequence_length:
             pad = pad_lists_fn(self.max_sequence_length, self.list_columns, self.id_columns)
-        return EpochBatches(lambda: self._epoch_loader(epoch), pad)
+        return EpochBatches(lambda: self._epoch_loader(epoch, skip_rows), pad)
+
+
+def _after_rows(pieces, skip_rows: int) -> List[Tuple[int, int, int]]:
+    """``pieces`` (``(partition, start, stop)`` in reading order) without their first rows.
+
+    Merlin's ``Loader`` cuts batches from consecutive rows, so dropping ``k * batch_size``
+    rows makes its batches the ones after the first ``k`` of the full pass.
+    """
+    kept = []
+    for partition, start, stop in pieces:
+        dropped = min(skip_rows, stop - start)
+        skip_rows -= dropped
+        if start + dropped < stop:
+            kept.append((partition, start + dropped, stop))
+    return kept
 
 
 def make_loader(

@@ -30,6 +30,7 @@ loop and the saving/logging guards.
 
 import contextlib
 import itertools
+import os
 import weakref
 from typing import List, Optional
 
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import send_to_device
 from transformers.trainer_pt_utils import find_batch_size
-from transformers.trainer_utils import EvalLoopOutput
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 from transformers.training_args import ParallelMode
 from transformers4rec.config.trainer import T4RecTrainingArguments
 from transformers4rec.torch import Trainer as T4RTrainer
@@ -62,6 +63,12 @@ from merlin_t4r_ops.training.data_parallel import (
 )
 from merlin_t4r_ops.training.metrics import MetricAccumulator, prediction_tasks
 from merlin_t4r_ops.training.predictions import check_top_k, gather_to_main, select_top_k
+from merlin_t4r_ops.training.resume import (
+    load_rng_state,
+    place_loader,
+    resolve_checkpoint,
+    save_rng_state,
+)
 from merlin_t4r_ops.training.state import DistributedState, resolve_strategy, unwrap_model
 
 __all__ = ["Trainer"]
@@ -122,6 +129,7 @@ class Trainer(T4RTrainer):
         _align_args(args, self.dist_state)
         # T4R's default `callbacks=[]` is one shared list that incremental logging appends to.
         self._loaders = weakref.WeakSet()  # closed when train() returns, see train()
+        self._resume_from = None  # the checkpoint train() resumes from, while it runs
         super().__init__(model=model, args=args, callbacks=list(callbacks or []), **kwargs)
 
     # ---- data -----------------------------------------------------------------------------
@@ -157,15 +165,25 @@ class Trainer(T4RTrainer):
         self._loaders.add(loader)
         return loader
 
-    def train(self, *args, **kwargs):
-        """T4R's ``train``; then the passes it left open end their reading threads.
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """T4R's ``train``, resumable mid-epoch and at epoch boundaries.
 
-        Hugging Face stops iterating at ``max_steps`` (and the unused-parameter or
-        ``eval_steps_on_train_set`` passes stop early too) without closing the pass.
+        With ``resume_from_checkpoint`` the Trainer's own train loader starts at the
+        checkpoint's epoch and batch (:mod:`~merlin_t4r_ops.training.resume`) instead of
+        Hugging Face skipping batches through accelerate, which needs a torch
+        ``DataLoader``. When it returns, the passes left open (``max_steps`` stops
+        mid-epoch) end their reading threads.
         """
+        checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        ignore_data_skip = self.args.ignore_data_skip
+        if checkpoint is not None and self.train_dataloader is None and not ignore_data_skip:
+            self._resume_from = checkpoint
+            self.args.ignore_data_skip = True  # the loader is placed; Hugging Face skips nothing
         try:
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
+            self.args.ignore_data_skip = ignore_data_skip
+            self._resume_from = None
             for loader in list(self._loaders):
                 loader.close()
 
@@ -174,7 +192,10 @@ class Trainer(T4RTrainer):
         if self.train_dataloader is not None:
             return self.train_dataloader
         # train_batch_size is per_device_train_batch_size x GPUs under DataParallel (HF's meaning).
-        return self._merlin_loader(self.train_dataset_or_path, self.args.train_batch_size, True)
+        loader = self._merlin_loader(self.train_dataset_or_path, self.args.train_batch_size, True)
+        if self._resume_from is not None:
+            place_loader(loader, self._resume_from, self.args.gradient_accumulation_steps)
+        return loader
 
     def get_eval_dataloader(self, eval_dataset=None):
         """Eval loader sharded by global rank, every row once (ranks may differ by a batch).
@@ -349,6 +370,17 @@ class Trainer(T4RTrainer):
         return int(total.item())
 
     # ---- saving / logging -----------------------------------------------------------------
+
+    def _save_checkpoint(self, model, trial, metrics=None):
+        """Hugging Face's checkpoint, with RNG states that load with ``weights_only=True``."""
+        super()._save_checkpoint(model, trial, metrics=metrics)
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        save_rng_state(os.path.join(self._get_output_dir(trial=trial), folder), self.args)
+
+    def _load_rng_state(self, checkpoint):
+        """Read the RNG states :meth:`_save_checkpoint` wrote, with ``weights_only=True``."""
+        if checkpoint is not None:
+            load_rng_state(checkpoint, self.args)
 
     def _save_model_and_checkpoint(self, save_model_class=False):
         # T4R writes the pickled model class from every rank into the same directory.
