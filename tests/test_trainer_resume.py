@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import t4r_training_factories as factories
+from torchrun_launch import torchrun
 from merlin_t4r_ops.training import Trainer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_scripts"))
@@ -54,3 +55,18 @@ def test_resumed_trainer_ends_on_the_uninterrupted_weights(uninterrupted, checkp
     assert weights.keys() == expected.keys()
     for name in expected:
         torch.testing.assert_close(weights[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_resumed_ddp_trainer_ends_on_the_uninterrupted_weights(tmp_path):
+    """2 gloo ranks: uninterrupted, then resumed from checkpoint-5 and checkpoint-10."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_scripts",
+                          "ddp_resume.py")
+    ranks, _ = torchrun(tmp_path, script, timeout=400)
+    for info, runs in ranks:
+        assert info["world_size"] == 2
+        assert info["steps"] == {"uninterrupted": 20, "checkpoint-5": 20, "checkpoint-10": 20}
+        expected = runs["uninterrupted"]
+        for checkpoint in ("checkpoint-5", "checkpoint-10"):
+            for name in expected:
+                torch.testing.assert_close(runs[checkpoint][name], expected[name], rtol=1e-5,
+                                           atol=1e-6, msg=f"{checkpoint}: {name}")

@@ -8,17 +8,15 @@ rank has its own disk. A run that hangs is killed and fails its test.
 """
 
 import collections
-import json
 import os
-import pathlib
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import t4r_training_factories as factories
+from torchrun_launch import torchrun as launch
 from merlin_t4r_ops.training import DistributedState, evaluate, load_checkpoint, make_loader
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,36 +25,9 @@ LOSS_SCRIPT = os.path.join(REPO, "tests", "training_scripts", "ddp_loss.py")
 CPU = torch.device("cpu")
 
 
-def torchrun(out, *script_args, nproc=2, timeout=240, script=SCRIPT):
-    """Run the DDP script under torchrun with a free port; return per-rank (json, weights)."""
-    out = pathlib.Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
-    env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU even where a GPU exists
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", script, "--out", str(out), *map(str, script_args),
-    ]
-    # Logs go to files, not pipes: a hung worker would hold a pipe open.
-    with open(out / "stdout.log", "w") as stdout, open(out / "stderr.log", "w") as stderr:
-        proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            # torchrun stops its workers on SIGTERM (they run in sessions of their own).
-            proc.terminate()
-            proc.wait(timeout=60)
-            pytest.fail(f"torchrun hung for {timeout} s and was stopped:\n"
-                        f"{(out / 'stderr.log').read_text()[-6000:]}")
-    stdout, stderr = (out / "stdout.log").read_text(), (out / "stderr.log").read_text()
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
-    ranks = []
-    for r in range(nproc):
-        with open(os.path.join(out, f"rank{r}.json")) as fh:
-            info = json.load(fh)
-        ranks.append((info, torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True)))
-    return ranks, stdout
+def torchrun(out, *script_args, script=SCRIPT, **launch_args):
+    """:func:`torchrun_launch.torchrun` of ``script`` (``ddp_fit.py`` unless told)."""
+    return launch(out, script, *script_args, **launch_args)
 
 
 def lockstep_reference(task, train, epochs, batch_size, world=2):

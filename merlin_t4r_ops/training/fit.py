@@ -46,6 +46,7 @@ square-root scaling is often safer). ``fit`` does not rescale ``lr`` for you;
 """
 
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -58,7 +59,13 @@ from tqdm.auto import tqdm
 
 from merlin_t4r_ops.errors import StrategyError
 from merlin_t4r_ops.training.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
-from merlin_t4r_ops.training.data import batches_of, first_batch, make_loader, to_device
+from merlin_t4r_ops.training.data import (
+    ShardedLoader,
+    batches_of,
+    first_batch,
+    make_loader,
+    to_device,
+)
 from merlin_t4r_ops.training.data_parallel import forward_batch, rank_loss
 from merlin_t4r_ops.training.metrics import MetricAccumulator
 from merlin_t4r_ops.training.state import (
@@ -186,6 +193,7 @@ def fit(
     lr_scheduler_interval: str = "epoch",
     max_grad_norm: Optional[float] = None,
     checkpoint_dir=None,
+    save_steps: Optional[int] = None,
     resume: bool = False,
     seed: Optional[int] = None,
     shuffle: bool = True,
@@ -246,8 +254,15 @@ def fit(
         Clip the global gradient norm (after unscaling under AMP).
     checkpoint_dir : str or os.PathLike, optional
         Write ``last.pt`` after each epoch (main process, atomically).
+    save_steps : int, optional
+        Also write ``last.pt`` every ``save_steps`` optimizer steps of an epoch (counted
+        from the epoch's start), so that a run resumes mid-epoch. Needs ``checkpoint_dir``;
+        under DDP, loaders with ``len()`` on every rank (else only epoch checkpoints).
     resume : bool
-        Continue from ``checkpoint_dir/last.pt`` when it exists. Under DDP rank
+        Continue from ``checkpoint_dir/last.pt`` when it exists, at its epoch and batch:
+        the data order is restored exactly (the loaders ``fit`` builds start at that
+        batch without reading the ones before; a user's loader is read up to it).
+        Under DDP rank
         0 reads its own ``checkpoint_dir`` and broadcasts the checkpoint, so
         every rank resumes from the same state even when the nodes have
         separate local disks.
@@ -276,6 +291,12 @@ def fit(
     """
     state = _state(strategy)
     _check_args(epochs, batch_size, amp, state, resume, checkpoint_dir, lr_scheduler_interval)
+    if save_steps is not None and (not isinstance(save_steps, int) or save_steps < 1
+                                   or checkpoint_dir is None):
+        raise ValueError(
+            "save_steps must be None or a positive int with checkpoint_dir= set, got "
+            f"save_steps={save_steps!r}, checkpoint_dir={checkpoint_dir!r}"
+        )
     inner = unwrap_model(model)
     if inner is not model:
         raise StrategyError(
@@ -320,19 +341,31 @@ def fit(
                 logger.info("ranks use different parameters; DDP find_unused_parameters=True")
 
         history: List[dict] = []
-        start_epoch = 0
+        start_epoch, resume_at = 0, None
         if resume:
             ckpt = load_checkpoint(checkpoint_dir, map_location="cpu", state=state)
             if ckpt is not None:
-                start_epoch, history = _restore(ckpt, model, optimizer, lr_scheduler, scaler, state)
+                start_epoch, history, resume_at = _restore(
+                    ckpt, model, optimizer, lr_scheduler, scaler, state
+                )
             elif state.is_main_process:
                 logger.info("resume=True but %s holds no checkpoint; starting at epoch 1", checkpoint_dir)
 
         wrapped = prepare_model(model, state, find_unused_parameters=bool(find_unused_parameters))
+        def save_mid_epoch(epoch, step, totals):
+            if step % save_steps == 0:
+                save_checkpoint(
+                    checkpoint_dir, state, model=model, optimizer=optimizer, epoch=epoch,
+                    history=history, lr_scheduler=lr_scheduler, scaler=scaler, step=step,
+                    epoch_totals=_global_totals(totals, state),
+                )
+
         for epoch in range(start_epoch, epochs):
             entry = _train_epoch(
                 wrapped, train_loader, optimizer, state, epoch, epochs, amp, scaler,
                 max_grad_norm, lr_scheduler if lr_scheduler_interval == "step" else None, progress,
+                resume_at=resume_at if epoch == start_epoch else None,
+                save=save_mid_epoch if save_steps else None,
             )
             if lr_scheduler is not None and lr_scheduler_interval == "epoch":
                 lr_scheduler.step()
@@ -370,9 +403,11 @@ def _restore(ckpt, model, optimizer, lr_scheduler, scaler, state):
             "checkpoint holds RNG states of %d ranks, this run has %d; RNG streams not restored",
             len(rngs), state.world_size,
         )
+    step = int(ckpt.get("step", 0))
     if state.is_main_process:
-        logger.info("resumed from checkpoint after epoch %d", ckpt["epoch"])
-    return int(ckpt["epoch"]), list(ckpt.get("history") or [])
+        logger.info("resumed from checkpoint after epoch %d, step %d", ckpt["epoch"], step)
+    resume_at = {"step": step, "totals": ckpt["epoch_totals"].cpu()} if step else None
+    return int(ckpt["epoch"]), list(ckpt.get("history") or []), resume_at
 
 
 def _join(wrapped, state):
@@ -405,20 +440,21 @@ def _step_count(loader, state):
     return n_local, most, fewest > 0
 
 
-def _even_batches(loader, n_local, n_steps):
+def _even_batches(loader, n_local, n_steps, done=0):
     """Yield this rank's batches, repeating from its start up to ``n_steps``.
 
     Like ``DistributedSampler`` padding: every rank takes the same number of
     optimizer steps, so replicas *and optimizer states* stay identical. DDP's
     ``join`` alone keeps weights equal only by a final broadcast, while the
     ranks that joined early skip optimizer steps and their Adam moments drift
-    (a resumed run would then differ from an uninterrupted one).
+    (a resumed run would then differ from an uninterrupted one). ``done``: batches
+    the loader's first pass leaves out (resumed mid-epoch).
     """
     if n_steps is None or n_steps <= n_local:
         with batches_of(loader) as batches:
             yield from batches
         return
-    produced = 0
+    produced = done
     while produced < n_steps:
         before = produced
         with batches_of(loader) as batches:
@@ -431,40 +467,62 @@ def _even_batches(loader, n_local, n_steps):
             return  # empty shard: join() covers the missing steps
 
 
-def _set_epoch(loader, epoch: int) -> None:
+def _set_epoch(loader, epoch: int, skip: int = 0) -> bool:
     """Give ``epoch`` to whatever orders the batches, as Hugging Face's Trainer does.
 
-    A :class:`~merlin_t4r_ops.training.data.ShardedLoader` takes it itself; a user's
-    ``DataLoader`` through its sampler (``DistributedSampler`` shuffles from
-    ``seed + epoch``, so without it every epoch repeats the first one's order).
+    A :class:`~merlin_t4r_ops.training.data.ShardedLoader` takes it itself, with the
+    ``skip`` batches its next pass leaves out; a user's ``DataLoader`` through its sampler
+    (``DistributedSampler`` shuffles from ``seed + epoch``, so without it every epoch
+    repeats the first one's order). Returns whether the loader skips the ``skip`` batches.
     """
+    if isinstance(loader, ShardedLoader):
+        loader.set_epoch(epoch, skip_batches=skip)
+        return True
     samplers = [getattr(loader, "sampler", None),
                 getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
     for target in [loader, *samplers]:
         if hasattr(target, "set_epoch"):
             target.set_epoch(epoch)
-            return
+            break
+    return skip == 0
+
+
+def _global_totals(totals: torch.Tensor, state) -> torch.Tensor:
+    """``totals`` summed over the ranks (a collective under DDP)."""
+    if not state.is_distributed:
+        return totals.clone()
+    summed = totals.to(state.device)
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    return summed.cpu()
 
 
 def _train_epoch(
     wrapped, loader, optimizer, state, epoch, epochs, amp, scaler, max_grad_norm, step_scheduler,
-    progress,
+    progress, resume_at=None, save=None,
 ) -> dict:
-    _set_epoch(loader, epoch)
+    """One epoch; ``resume_at`` (``{"step", "totals"}``) continues a mid-epoch checkpoint,
+    ``save(epoch, step, totals)`` is offered every step but the last (ranks in lockstep)."""
+    skip = resume_at["step"] if resume_at else 0
+    placed = _set_epoch(loader, epoch, skip)
     wrapped.train()
-    loss_sum = torch.zeros(2, dtype=torch.float64)
-    samples = 0
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, batches, rows
+    if resume_at and state.is_main_process:
+        totals += resume_at["totals"]  # all ranks' totals so far, counted once
     start = time.perf_counter()
     n_local, n_steps, lockstep = _step_count(loader, state)
+    batches = _even_batches(loader, n_local, n_steps, done=skip if placed else 0)
+    if not placed:
+        batches = itertools.islice(batches, skip, None)
     bar = tqdm(
-        _even_batches(loader, n_local, n_steps),
+        batches,
         total=n_steps,
+        initial=skip,
         desc=f"epoch {epoch + 1}/{epochs}",
         disable=not (progress and state.is_main_process),
         leave=False,
     )
     with _join(wrapped, state):
-        for x, y in bar:
+        for step, (x, y) in enumerate(bar, start=skip + 1):
             x, y = to_device(x, state.device), to_device(y, state.device)
             optimizer.zero_grad(set_to_none=True)
             with _autocast(amp, state):
@@ -487,15 +545,12 @@ def _train_epoch(
             value = float(loss.detach())
             if not math.isfinite(value) and state.is_main_process:
                 logger.warning("non-finite training loss %s at epoch %d", value, epoch + 1)
-            loss_sum += torch.tensor([value, 1.0], dtype=torch.float64)
-            samples += _batch_rows(x)
+            totals += torch.tensor([value, 1.0, float(_batch_rows(x))], dtype=torch.float64)
             bar.set_postfix(loss=f"{value:.4f}")
+            if save is not None and lockstep and step != n_steps:
+                save(epoch, step, totals)
     bar.close()
-    totals = torch.cat([loss_sum, torch.tensor([float(samples)], dtype=torch.float64)])
-    if state.is_distributed:
-        totals = totals.to(state.device)
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-        totals = totals.cpu()
+    totals = _global_totals(totals, state)
     seconds = time.perf_counter() - start
     if state.is_distributed:
         # The slowest rank's time is the epoch's time.

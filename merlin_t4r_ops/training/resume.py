@@ -12,7 +12,10 @@ Hugging Face 4.30 resumes with two steps that fail here:
   ``skip_first_batches``, which rebuilds a ``torch.utils.data.DataLoader`` from the
   loader's ``sampler``: a ``ShardedLoader`` has none. The ``Trainer`` instead places its
   loader at the epoch and batch where the checkpoint was taken
-  (:func:`place_loader`) and lets Hugging Face skip nothing (``ignore_data_skip``).
+  (:func:`place_loader`) and lets Hugging Face skip nothing (``ignore_data_skip``);
+* under DDP it loads the optimizer state to ``args.device``, which accelerate names
+  ``cpu:<local rank>`` on CPU and torch cannot map to ("don't know how to restore data
+  location ... cpu:0"): :func:`load_optimizer_and_scheduler` maps to the process's device.
 """
 
 import json
@@ -21,11 +24,15 @@ import os
 import pickle
 
 import torch
+from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME
 from transformers.trainer_utils import get_last_checkpoint
 
 from merlin_t4r_ops.training.checkpoint import rng_state, set_rng_state
 
-__all__ = ["rng_file", "save_rng_state", "load_rng_state", "resolve_checkpoint", "place_loader"]
+__all__ = [
+    "rng_file", "save_rng_state", "load_rng_state", "resolve_checkpoint", "place_loader",
+    "load_optimizer_and_scheduler",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -81,3 +88,21 @@ def place_loader(loader, checkpoint, gradient_accumulation_steps: int) -> None:
     steps_per_epoch = max(len(loader) // gradient_accumulation_steps, 1)
     epoch, steps = divmod(global_step, steps_per_epoch)
     loader.set_epoch(epoch, skip_batches=steps * gradient_accumulation_steps)
+
+
+def load_optimizer_and_scheduler(trainer, checkpoint, device) -> None:
+    """Hugging Face's loading of the optimizer, scheduler and scaler states, mapped to ``device``.
+
+    As Hugging Face does: nothing unless both the optimizer's and the scheduler's file
+    are there; the scaler's when the trainer scales gradients.
+    """
+    path = os.path.join(os.fspath(checkpoint), OPTIMIZER_NAME)
+    if not (os.path.isfile(path) and os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME))):
+        return
+    trainer.optimizer.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+    trainer.lr_scheduler.load_state_dict(
+        torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
+    )
+    scaler = os.path.join(checkpoint, SCALER_NAME)
+    if trainer.do_grad_scaling and os.path.isfile(scaler):
+        trainer.scaler.load_state_dict(torch.load(scaler, weights_only=True))

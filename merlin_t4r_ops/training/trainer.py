@@ -64,6 +64,7 @@ from merlin_t4r_ops.training.data_parallel import (
 from merlin_t4r_ops.training.metrics import MetricAccumulator, prediction_tasks
 from merlin_t4r_ops.training.predictions import check_top_k, gather_to_main, select_top_k
 from merlin_t4r_ops.training.resume import (
+    load_optimizer_and_scheduler,
     load_rng_state,
     place_loader,
     resolve_checkpoint,
@@ -376,6 +377,11 @@ class Trainer(T4RTrainer):
         super()._save_checkpoint(model, trial, metrics=metrics)
         folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         save_rng_state(os.path.join(self._get_output_dir(trial=trial), folder), self.args)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """Hugging Face's, with the optimizer state mapped to this process's device."""
+        if checkpoint is not None:
+            load_optimizer_and_scheduler(self, checkpoint, self.dist_state.device)
 
     def _load_rng_state(self, checkpoint):
         """Read the RNG states :meth:`_save_checkpoint` wrote, with ``weights_only=True``."""
