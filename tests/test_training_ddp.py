@@ -231,3 +231,26 @@ def test_ddp_gradient_is_the_gradient_of_the_global_batch(masking, data):
         expected = {n: p - p.grad if p.grad is not None else p for n, p in model.named_parameters()}
     trained = {n: w0[n] for n in expected}
     assert_same_weights(trained, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_fit_resumed_mid_epoch_ends_on_the_uninterrupted_weights(data):
+    """54 rows and 4 steps of 16 per rank and epoch, MLM, last.pt every 2 steps.
+
+    Stopped after 7 of 8 steps, the run resumes from epoch 2, step 2; before, fit wrote
+    epoch checkpoints only and resumed at the start of the epoch.
+    """
+    common = ["--task", "next-item", "--masking", "mlm", "--train", data["uneven"],
+              "--batch-size", 16, "--shuffle", "--epochs", 2, "--save-steps", 2]
+    full, _ = torchrun(data["root"] / "out-mid-full", *common, "--checkpoint-dir",
+                       data["root"] / "ckpt-mid-full")
+    ckpt = data["root"] / "ckpt-mid"
+    torchrun(data["root"] / "out-mid-stopped", *common, "--checkpoint-dir", ckpt,
+             "--stop-after", 7, results=False)
+    saved = load_checkpoint(ckpt)
+    assert (saved["epoch"], saved["step"]) == (1, 2)
+    ranks, _ = torchrun(data["root"] / "out-mid-resumed", *common, "--checkpoint-dir", ckpt,
+                        "--resume", "--model-seed", 9)
+    (info0, w0), (_, w1) = ranks
+    assert_same_weights(w0, w1)
+    assert_same_weights(w0, full[0][1], rtol=1e-5, atol=1e-6)
+    assert [h["train_samples"] for h in info0["history"]] == [108, 108]

@@ -16,8 +16,11 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def torchrun(out, script, *script_args, nproc=2, timeout=240):
-    """Run ``script`` under torchrun with a free port; return per-rank (json, weights) and stdout."""
+def torchrun(out, script, *script_args, nproc=2, timeout=240, results=True):
+    """Run ``script`` under torchrun with a free port; return per-rank (json, weights) and stdout.
+
+    ``results=False``: the script writes no rank files (a run stopped on purpose); ``[]``.
+    """
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -41,7 +44,7 @@ def torchrun(out, script, *script_args, nproc=2, timeout=240):
     stdout, stderr = (out / "stdout.log").read_text(), (out / "stderr.log").read_text()
     assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
     ranks = []
-    for r in range(nproc):
+    for r in range(nproc if results else 0):
         with open(os.path.join(out, f"rank{r}.json")) as fh:
             info = json.load(fh)
         ranks.append((info, torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True)))

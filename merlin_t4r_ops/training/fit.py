@@ -491,7 +491,7 @@ def _global_totals(totals: torch.Tensor, state) -> torch.Tensor:
     """``totals`` summed over the ranks (a collective under DDP)."""
     if not state.is_distributed:
         return totals.clone()
-    summed = totals.to(state.device)
+    summed = totals.to(state.device, copy=True)  # on the CPU .to() would alias totals
     dist.all_reduce(summed, op=dist.ReduceOp.SUM)
     return summed.cpu()
 
