@@ -31,7 +31,11 @@ def torchrun(out, *script_args, script=SCRIPT, **launch_args):
 
 
 def lockstep_reference(task, train, epochs, batch_size, world=2):
-    """Single process, same global batches: mean of the per-rank losses per step (DDP's average)."""
+    """Single process, same global batches: the mean loss over all targets of each global batch.
+
+    Each rank's batch is its own forward pass (as on the ranks); the loss weighs every
+    target of the global batch alike, whatever rank holds it.
+    """
     model = factories.build_model(task, seed=0)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     loaders = [
@@ -44,7 +48,9 @@ def lockstep_reference(task, train, epochs, batch_size, world=2):
     for _ in range(epochs):
         for batches in zip(*loaders):
             optimizer.zero_grad()
-            loss = sum(model(x, targets=y, training=True)["loss"] for x, y in batches) / world
+            outputs = [model(x, targets=y, training=True) for x, y in batches]
+            counts = [len(out["labels"]) for out in outputs]
+            loss = sum(out["loss"] * n for out, n in zip(outputs, counts)) / sum(counts)
             loss.backward()
             optimizer.step()
     return model
@@ -254,3 +260,17 @@ def test_ddp_fit_resumed_mid_epoch_ends_on_the_uninterrupted_weights(data):
     assert_same_weights(w0, w1)
     assert_same_weights(w0, full[0][1], rtol=1e-5, atol=1e-6)
     assert [h["train_samples"] for h in info0["history"]] == [108, 108]
+
+
+def test_ddp_trainer_gradient_is_the_gradient_of_the_global_batch(data):
+    """The Trainer's step on 2 gloo ranks of 24 sessions equals one process's on all 48 (CLM)."""
+    ranks, _ = torchrun(data["root"] / "out-loss-trainer", "--masking", "clm", "--trainer",
+                        script=LOSS_SCRIPT, timeout=180)
+    (_, w0), (_, w1) = ranks
+    assert_same_weights(w0, w1)
+    model = factories.testing_model("clm")
+    model.train()
+    model(factories.testing_batch(factories.testing_frame().iloc[:48]), training=True)["loss"].backward()
+    with torch.no_grad():
+        expected = {n: p - p.grad if p.grad is not None else p for n, p in model.named_parameters()}
+    assert_same_weights({n: w0[n] for n in expected}, expected, rtol=1e-5, atol=1e-6)

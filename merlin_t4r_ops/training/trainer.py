@@ -60,6 +60,7 @@ from merlin_t4r_ops.training.data_parallel import (
     data_parallel,
     forward_batch,
     loss_sum_and_count,
+    rank_loss,
 )
 from merlin_t4r_ops.training.metrics import MetricAccumulator, prediction_tasks
 from merlin_t4r_ops.training.predictions import check_top_k, gather_to_main, select_top_k
@@ -231,7 +232,11 @@ class Trainer(T4RTrainer):
         return super()._wrap_model(model, training=training, dataloader=dataloader)
 
     def compute_loss(self, model, inputs, return_outputs=False):
-        """T4R's ``compute_loss``, with the batch's exact loss under DataParallel."""
+        """T4R's ``compute_loss``, exact under DataParallel and DDP (:func:`rank_loss`).
+
+        Under DDP the loss backpropagated on a rank is its share of the global batch's
+        loss; Hugging Face logs the mean over ranks, which is that loss.
+        """
         features, targets = inputs
         outputs = forward_batch(model, features, targets, training=True)
         if "loss" not in outputs:
@@ -239,7 +244,7 @@ class Trainer(T4RTrainer):
                 "The model did not return a loss from the inputs, only the following keys: "
                 f"{','.join(outputs.keys())}"
             )
-        loss = batch_loss(outputs)
+        loss = rank_loss(outputs, unwrap_model(model), self.dist_state)
         return (loss, outputs) if return_outputs else loss
 
     def prediction_step(
