@@ -215,3 +215,17 @@ def test_fit_sets_the_epoch_of_a_users_distributed_sampler():
         expected.set_epoch(epoch)
         assert order == list(expected)
     assert len({tuple(order) for order in orders}) == 3
+
+
+def test_fit_refuses_a_scheduler_of_another_optimizer(data):
+    model = factories.build_model("binary")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="got a StepLR bound to another optimizer than "
+                                         "optimizer=SGD"):
+        fit(model, data["train"], optimizer=optimizer, lr_scheduler=other, strategy=CPU_SINGLE,
+            progress=False)
+    with pytest.raises(ValueError, match=r"optimizer=None \(fit would make its own Adam\)"):
+        fit(model, data["train"], lr_scheduler=other, strategy=CPU_SINGLE, progress=False)
+    assert all(torch.equal(v, before[k]) for k, v in snapshot(model).items())  # nothing trained

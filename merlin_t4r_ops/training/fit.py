@@ -321,6 +321,15 @@ def fit(
         eval_loader = make_loader(
             eval_data, model, state, batch_size=eval_batch_size or batch_size, shuffle=False
         )
+    if lr_scheduler is not None and (
+        optimizer is None or getattr(lr_scheduler, "optimizer", None) is not optimizer
+    ):
+        raise ValueError(
+            f"lr_scheduler must schedule the optimizer that fit steps; got a "
+            f"{type(lr_scheduler).__name__} bound to another optimizer than optimizer="
+            + ("None (fit would make its own Adam): pass the scheduler's optimizer as optimizer="
+               if optimizer is None else f"{type(optimizer).__name__}")
+        )
     if optimizer is None:
         optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     scaler = torch.amp.GradScaler("cuda") if amp else None
