@@ -110,7 +110,7 @@ class Trainer(T4RTrainer):
     ``predict()`` returns T4R's types, order and shapes (see
     :mod:`~merlin_t4r_ops.training.predictions`). Intended differences: under
     DDP only rank 0 receives predictions (all ranks' rows, in rank order; the
-    other ranks get ``None``), because every rank holding every rank's rows
+    other ranks get a ``PredictionOutput`` whose ``predictions`` is ``None``), because every rank holding every rank's rows
     multiplies memory by the world size, while T4R returns each rank's own
     rows; and ``evaluation_loop`` returns no predictions or labels for
     evaluation, which Hugging Face's ``evaluate()`` discards anyway.
