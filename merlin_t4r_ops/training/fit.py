@@ -544,12 +544,16 @@ def _train_epoch(
                 loss.backward()
             if max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_grad_norm)
+            stepped = True
             if scaler is not None:
+                scale = scaler.get_scale()
                 scaler.step(optimizer)
                 scaler.update()
+                # GradScaler skips the step on inf/NaN gradients and lowers its scale.
+                stepped = scaler.get_scale() >= scale
             else:
                 optimizer.step()
-            if step_scheduler is not None:
+            if step_scheduler is not None and stepped:
                 step_scheduler.step()
             value = float(loss.detach())
             if not math.isfinite(value) and state.is_main_process:

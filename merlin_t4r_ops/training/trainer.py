@@ -267,7 +267,9 @@ class Trainer(T4RTrainer):
             which evaluation weights batches by their targets.
         """
         features, targets = self._prepare_inputs(inputs)
-        autocast = torch.autocast("cuda") if self._use_cuda_amp else contextlib.nullcontext()
+        # amp_dtype: bfloat16 under args.bf16 (torch.autocast's own default is float16).
+        autocast = (torch.autocast("cuda", dtype=self.amp_dtype) if self._use_cuda_amp
+                    else contextlib.nullcontext())
         with torch.no_grad(), autocast:
             outputs = forward_batch(model, features, targets, training=training, testing=testing)
         if not testing:
