@@ -274,3 +274,14 @@ def test_ddp_trainer_gradient_is_the_gradient_of_the_global_batch(data):
     with torch.no_grad():
         expected = {n: p - p.grad if p.grad is not None else p for n, p in model.named_parameters()}
     assert_same_weights({n: w0[n] for n in expected}, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_gradient_accumulation_equals_the_larger_batch(data):
+    """Per rank 2 batches of 8 per step (the first under no_sync) step as one batch of 16."""
+    common = ["--task", "binary", "--train", data["train"], "--epochs", 1]
+    ranks16, _ = torchrun(data["root"] / "out-accumulate-1", *common, "--batch-size", 16)
+    ranks8, _ = torchrun(data["root"] / "out-accumulate-2", *common, "--batch-size", 8,
+                         "--accumulate", 2)
+    assert_same_weights(ranks8[0][1], ranks8[1][1])
+    assert_same_weights(ranks8[0][1], ranks16[0][1], rtol=1e-5, atol=1e-6)
+    assert ranks8[0][0]["history"][0]["train_samples"] == 128

@@ -1,5 +1,6 @@
 """Single-process ``fit``/``evaluate``: the three T4R tasks, inputs, options and errors."""
 
+import math
 import os
 
 import pytest
@@ -229,3 +230,24 @@ def test_fit_refuses_a_scheduler_of_another_optimizer(data):
     with pytest.raises(ValueError, match=r"optimizer=None \(fit would make its own Adam\)"):
         fit(model, data["train"], lr_scheduler=other, strategy=CPU_SINGLE, progress=False)
     assert all(torch.equal(v, before[k]) for k, v in snapshot(model).items())  # nothing trained
+
+
+@pytest.mark.parametrize("task", ["binary", "regression"])
+def test_gradient_accumulation_equals_the_larger_batch(task, data):
+    """2 batches of 8 per step take the step of one batch of 16 (losses are means over rows)."""
+    models = {}
+    for batch_size, accumulate in ((16, 1), (8, 2)):
+        model = factories.build_model(task, seed=0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        history = fit(model, data["train"], optimizer=optimizer, epochs=1, batch_size=batch_size,
+                      gradient_accumulation_steps=accumulate, strategy=CPU_SINGLE, shuffle=False,
+                      progress=False)
+        models[accumulate] = (snapshot(model), history)
+    (one, history_one), (two, history_two) = models[1], models[2]
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert history_two[0]["train_samples"] == history_one[0]["train_samples"] == 192
+    assert math.isfinite(history_one[0]["train_loss"])
+    with pytest.raises(ValueError, match="gradient_accumulation_steps must be a positive int, got 0"):
+        fit(factories.build_model(task), data["train"], gradient_accumulation_steps=0,
+            strategy=CPU_SINGLE)

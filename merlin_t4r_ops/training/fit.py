@@ -192,6 +192,7 @@ def fit(
     lr_scheduler=None,
     lr_scheduler_interval: str = "epoch",
     max_grad_norm: Optional[float] = None,
+    gradient_accumulation_steps: int = 1,
     checkpoint_dir=None,
     save_steps: Optional[int] = None,
     resume: bool = False,
@@ -252,6 +253,11 @@ def fit(
         ``lr_scheduler_interval="step"``.
     max_grad_norm : float, optional
         Clip the global gradient norm (after unscaling under AMP).
+    gradient_accumulation_steps : int
+        Batches whose gradients make one optimizer step (each loss divided by it, as
+        Hugging Face does; the last step of an epoch may take fewer). Under DDP the
+        batches before a step run under ``no_sync``: one gradient all-reduce per step.
+        ``save_steps`` and ``lr_scheduler_interval="step"`` count optimizer steps.
     checkpoint_dir : str or os.PathLike, optional
         Write ``last.pt`` after each epoch (main process, atomically).
     save_steps : int, optional
@@ -291,6 +297,11 @@ def fit(
     """
     state = _state(strategy)
     _check_args(epochs, batch_size, amp, state, resume, checkpoint_dir, lr_scheduler_interval)
+    if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+        raise ValueError(
+            "gradient_accumulation_steps must be a positive int, got "
+            f"{gradient_accumulation_steps!r}"
+        )
     if save_steps is not None and (not isinstance(save_steps, int) or save_steps < 1
                                    or checkpoint_dir is None):
         raise ValueError(
@@ -361,8 +372,8 @@ def fit(
                 logger.info("resume=True but %s holds no checkpoint; starting at epoch 1", checkpoint_dir)
 
         wrapped = prepare_model(model, state, find_unused_parameters=bool(find_unused_parameters))
-        def save_mid_epoch(epoch, step, totals):
-            if step % save_steps == 0:
+        def save_mid_epoch(epoch, step, optimizer_steps, totals):
+            if optimizer_steps % save_steps == 0:
                 save_checkpoint(
                     checkpoint_dir, state, model=model, optimizer=optimizer, epoch=epoch,
                     history=history, lr_scheduler=lr_scheduler, scaler=scaler, step=step,
@@ -375,6 +386,7 @@ def fit(
                 max_grad_norm, lr_scheduler if lr_scheduler_interval == "step" else None, progress,
                 resume_at=resume_at if epoch == start_epoch else None,
                 save=save_mid_epoch if save_steps else None,
+                accumulate=gradient_accumulation_steps,
             )
             if lr_scheduler is not None and lr_scheduler_interval == "epoch":
                 lr_scheduler.step()
@@ -507,10 +519,11 @@ def _global_totals(totals: torch.Tensor, state) -> torch.Tensor:
 
 def _train_epoch(
     wrapped, loader, optimizer, state, epoch, epochs, amp, scaler, max_grad_norm, step_scheduler,
-    progress, resume_at=None, save=None,
+    progress, resume_at=None, save=None, accumulate=1,
 ) -> dict:
     """One epoch; ``resume_at`` (``{"step", "totals"}``) continues a mid-epoch checkpoint,
-    ``save(epoch, step, totals)`` is offered every step but the last (ranks in lockstep)."""
+    ``save(epoch, batches, optimizer_steps, totals)`` is offered after every optimizer step
+    but the epoch's last (ranks in lockstep); ``accumulate`` batches make one step."""
     skip = resume_at["step"] if resume_at else 0
     placed = _set_epoch(loader, epoch, skip)
     wrapped.train()
@@ -530,38 +543,30 @@ def _train_epoch(
         disable=not (progress and state.is_main_process),
         leave=False,
     )
+    step_args = (wrapped, optimizer, scaler, max_grad_norm, step_scheduler)
+    pending = False
+    optimizer.zero_grad(set_to_none=True)
     with _join(wrapped, state):
         for step, (x, y) in enumerate(bar, start=skip + 1):
             x, y = to_device(x, state.device), to_device(y, state.device)
-            optimizer.zero_grad(set_to_none=True)
-            with _autocast(amp, state):
-                output = forward_batch(wrapped, x, y, training=True)
-                loss = rank_loss(output, unwrap_model(wrapped), state if lockstep else None)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.unscale_(optimizer)
-            else:
-                loss.backward()
-            if max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_grad_norm)
-            stepped = True
-            if scaler is not None:
-                scale = scaler.get_scale()
-                scaler.step(optimizer)
-                scaler.update()
-                # GradScaler skips the step on inf/NaN gradients and lowers its scale.
-                stepped = scaler.get_scale() >= scale
-            else:
-                optimizer.step()
-            if step_scheduler is not None and stepped:
-                step_scheduler.step()
+            boundary = step % accumulate == 0 or step == n_steps
+            with _no_sync(wrapped, state, boundary):
+                with _autocast(amp, state):
+                    output = forward_batch(wrapped, x, y, training=True)
+                    loss = rank_loss(output, unwrap_model(wrapped), state if lockstep else None)
+                (scaler.scale(loss / accumulate) if scaler else loss / accumulate).backward()
+            pending = not boundary
+            if boundary:
+                _optimizer_step(*step_args)
             value = float(loss.detach())
             if not math.isfinite(value) and state.is_main_process:
                 logger.warning("non-finite training loss %s at epoch %d", value, epoch + 1)
             totals += torch.tensor([value, 1.0, float(_batch_rows(x))], dtype=torch.float64)
             bar.set_postfix(loss=f"{value:.4f}")
-            if save is not None and lockstep and step != n_steps:
-                save(epoch, step, totals)
+            if save is not None and lockstep and boundary and step != n_steps:
+                save(epoch, step, step // accumulate, totals)
+        if pending:  # a loader without len(): its last batches still make a step
+            _optimizer_step(*step_args)
     bar.close()
     totals = _global_totals(totals, state)
     seconds = time.perf_counter() - start
@@ -577,6 +582,33 @@ def _train_epoch(
         "train_seconds": seconds,
         "lr": float(optimizer.param_groups[0]["lr"]),
     }
+
+
+def _no_sync(wrapped, state, boundary: bool):
+    """DDP's ``no_sync`` for a batch that does not end an accumulation: no all-reduce."""
+    if state.is_distributed and not boundary:
+        return wrapped.no_sync()
+    return contextlib.nullcontext()
+
+
+def _optimizer_step(wrapped, optimizer, scaler, max_grad_norm, step_scheduler) -> None:
+    """Clip, step (through GradScaler under AMP), step the scheduler, clear the gradients."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_grad_norm)
+    stepped = True
+    if scaler is not None:
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        # GradScaler skips the step on inf/NaN gradients and lowers its scale.
+        stepped = scaler.get_scale() >= scale
+    else:
+        optimizer.step()
+    if step_scheduler is not None and stepped:
+        step_scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _format(entry: dict, epochs: int) -> str:

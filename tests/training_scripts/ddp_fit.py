@@ -38,6 +38,7 @@ def main():
     # Stop (as if preempted) after this many optimizer steps; nothing is written then.
     parser.add_argument("--stop-after", type=int, default=None)
     parser.add_argument("--masking", default=None)
+    parser.add_argument("--accumulate", type=int, default=1)
     args = parser.parse_args()
 
     state = resolve_strategy("auto")
@@ -59,6 +60,7 @@ def main():
             lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, constant),
             lr_scheduler_interval="step",
             save_steps=args.save_steps,
+            gradient_accumulation_steps=args.accumulate,
             eval_data=args.eval,
             epochs=args.epochs,
             batch_size=args.batch_size,
