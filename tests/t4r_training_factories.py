@@ -168,7 +168,8 @@ def testing_dataset(frame, npartitions=4):
 
     from merlin_t4r_ops.sequence import core_schema
 
-    return Dataset(dd.from_pandas(frame, npartitions=npartitions), schema=core_schema(testing_schema()))
+    frame = dd.from_pandas(frame, npartitions=npartitions)
+    return Dataset(frame, schema=core_schema(testing_schema()))
 
 
 def testing_batch(frame):

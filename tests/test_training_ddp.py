@@ -270,7 +270,8 @@ def test_ddp_trainer_gradient_is_the_gradient_of_the_global_batch(data):
     assert_same_weights(w0, w1)
     model = factories.testing_model("clm")
     model.train()
-    model(factories.testing_batch(factories.testing_frame().iloc[:48]), training=True)["loss"].backward()
+    batch = factories.testing_batch(factories.testing_frame().iloc[:48])
+    model(batch, training=True)["loss"].backward()
     with torch.no_grad():
         expected = {n: p - p.grad if p.grad is not None else p for n, p in model.named_parameters()}
     assert_same_weights({n: w0[n] for n in expected}, expected, rtol=1e-5, atol=1e-6)

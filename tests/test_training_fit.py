@@ -248,6 +248,7 @@ def test_gradient_accumulation_equals_the_larger_batch(task, data):
         torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
     assert history_two[0]["train_samples"] == history_one[0]["train_samples"] == 192
     assert math.isfinite(history_one[0]["train_loss"])
-    with pytest.raises(ValueError, match="gradient_accumulation_steps must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="gradient_accumulation_steps must be a positive int, "
+                                         "got 0"):
         fit(factories.build_model(task), data["train"], gradient_accumulation_steps=0,
             strategy=CPU_SINGLE)
