@@ -141,3 +141,61 @@ def build_model(task="binary", d_model=16, n_layer=1, masking=None, schema=None,
         body = tr.SequentialBlock(inputs, tr.TransformerBlock(config, masking=inputs.masking))
         return tr.Head(body, head_task).to_model(max_sequence_length=MAX_LEN)
     return config.to_torch_model(inputs, head_task, max_sequence_length=MAX_LEN)
+
+
+# ---- T4R's packaged test data (transformers4rec.data.tabular_sequence_testing_data) ----------
+
+TESTING_MAX_LEN = 20
+
+
+def testing_schema():
+    """The item-id and category lists of T4R's ``tabular_sequence_testing_data`` schema."""
+    from transformers4rec.data import tabular_sequence_testing_data
+
+    return tabular_sequence_testing_data.schema.select_by_name(["item_id/list", "category/list"])
+
+
+def testing_frame():
+    """T4R's ``tabular_sequence_testing_data`` (1,000 sessions) as a pandas frame."""
+    from transformers4rec.data import tabular_sequence_testing_data
+
+    return pd.read_parquet(tabular_sequence_testing_data.path)
+
+
+def testing_dataset(frame, npartitions=4):
+    """``frame`` as a ``merlin.io.Dataset`` of ``npartitions`` with T4R's schema."""
+    import dask.dataframe as dd
+
+    from merlin_t4r_ops.sequence import core_schema
+
+    frame = dd.from_pandas(frame, npartitions=npartitions)
+    return Dataset(frame, schema=core_schema(testing_schema()))
+
+
+def testing_batch(frame):
+    """``frame``'s item-id and category lists cropped and padded to ``TESTING_MAX_LEN``."""
+    import torch
+
+    from merlin_t4r_ops.sequence import crop_and_pad
+
+    batch = {}
+    for name in testing_schema().column_names:
+        lists = frame[name].map(list)
+        values = torch.tensor([v for row in lists for v in row], dtype=torch.int64)
+        batch[name] = crop_and_pad(values, torch.tensor(lists.map(len).tolist()), TESTING_MAX_LEN)
+    return batch
+
+
+def testing_model(masking="clm", d_model=16, seed=0):
+    """A tiny XLNet next-item model over :func:`testing_schema`, dropout 0."""
+    import torch
+
+    torch.manual_seed(seed)
+    inputs = tr.TabularSequenceFeatures.from_schema(
+        testing_schema(), max_sequence_length=TESTING_MAX_LEN, masking=masking, d_output=d_model,
+        aggregation="concat",
+    )
+    config = tr.XLNetConfig.build(
+        d_model=d_model, n_head=2, n_layer=1, total_seq_length=TESTING_MAX_LEN, dropout=0.0
+    )
+    return config.to_torch_model(inputs, tr.NextItemPredictionTask(weight_tying=True))

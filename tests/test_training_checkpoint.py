@@ -123,3 +123,47 @@ def test_unreadable_checkpoint_raises(tmp_path):
     with pytest.raises(CheckpointError, match="expected format 1, found 99"):
         load_checkpoint(tmp_path)
     assert load_checkpoint(tmp_path / "missing") is None
+
+
+class Preempted(Exception):
+    """Stands for the process being stopped after a given optimizer step."""
+
+
+def fit_testing_data(frame, ckpt, stop_after=None, model_seed=0, resume=False):
+    """``fit`` an MLM model on T4R's packaged sessions, 2 epochs of 10 steps, last.pt every 3.
+
+    The step-interval scheduler (constant lr) raises :class:`Preempted` after ``stop_after``
+    optimizer steps, before that step's checkpoint is written.
+    """
+    model = factories.testing_model("mlm", seed=model_seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    steps = []
+
+    def constant(_):
+        steps.append(None)
+        if stop_after is not None and len(steps) > stop_after:  # the first call is at init
+            raise Preempted
+        return 1.0
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, constant)
+    history = fit(model, factories.testing_dataset(frame), optimizer=optimizer, epochs=2,
+                  batch_size=16, strategy=STATE, seed=3, progress=False, checkpoint_dir=ckpt,
+                  save_steps=3, resume=resume, lr_scheduler=scheduler,
+                  lr_scheduler_interval="step")
+    return model, history
+
+
+@pytest.mark.parametrize("stop_after, saved_at", [(7, (0, 6)), (14, (1, 3))],
+                         ids=["epoch-1-step-6", "epoch-2-step-3"])
+def test_fit_resumed_mid_epoch_ends_on_the_uninterrupted_weights(stop_after, saved_at, tmp_path):
+    frame = factories.testing_frame().iloc[:160]
+    expected, full_history = fit_testing_data(frame, tmp_path / "full")
+    with pytest.raises(Preempted):
+        fit_testing_data(frame, tmp_path / "run", stop_after=stop_after)
+    saved = load_checkpoint(tmp_path / "run")
+    assert (saved["epoch"], saved["step"]) == saved_at  # (completed epochs, steps into the next)
+    resumed, history = fit_testing_data(frame, tmp_path / "run", model_seed=9, resume=True)
+    assert_close_weights(resumed, expected)
+    assert [h["train_samples"] for h in history] == [h["train_samples"] for h in full_history]
+    for ours, theirs in zip(history, full_history):
+        assert ours["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-6)

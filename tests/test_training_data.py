@@ -149,3 +149,19 @@ def test_batch_size_is_per_device_under_dataparallel(eight_files):
     seen.clear()
     evaluate(net, eight_files, strategy=dp, batch_size=8)
     assert seen == [16] * 12, seen
+
+
+def test_set_epoch_with_skipped_batches_starts_the_next_pass_there():
+    frame = factories.testing_frame().iloc[:150]
+    loader = make_loader(factories.testing_dataset(frame), factories.testing_model(),
+                         ddp(1), batch_size=8, shuffle=True, seed=4)
+    loader.set_epoch(3)
+    full = [x["item_id/list"] for x, _ in loader]
+    loader.set_epoch(3, skip_batches=4)
+    resumed = [x["item_id/list"] for x, _ in loader]
+    assert len(full) == len(loader) == 10 and len(resumed) == 6
+    assert all(torch.equal(a, b) for a, b in zip(resumed, full[4:]))
+    following = [x["item_id/list"] for x, _ in loader]  # epoch 4, from its first batch
+    assert len(following) == 10 and not torch.equal(following[0], full[0])
+    with pytest.raises(ValueError, match="skip_batches must be a non-negative int, got -1"):
+        loader.set_epoch(0, skip_batches=-1)

@@ -8,58 +8,34 @@ rank has its own disk. A run that hangs is killed and fails its test.
 """
 
 import collections
-import json
 import os
-import pathlib
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import t4r_training_factories as factories
+from torchrun_launch import torchrun as launch
 from merlin_t4r_ops.training import DistributedState, evaluate, load_checkpoint, make_loader
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "training_scripts", "ddp_fit.py")
+LOSS_SCRIPT = os.path.join(REPO, "tests", "training_scripts", "ddp_loss.py")
 CPU = torch.device("cpu")
 
 
-def torchrun(out, *script_args, nproc=2, timeout=240):
-    """Run the DDP script under torchrun with a free port; return per-rank (json, weights)."""
-    out = pathlib.Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
-    env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU even where a GPU exists
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", SCRIPT, "--out", str(out), *map(str, script_args),
-    ]
-    # Logs go to files, not pipes: a hung worker would hold a pipe open.
-    with open(out / "stdout.log", "w") as stdout, open(out / "stderr.log", "w") as stderr:
-        proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            # torchrun stops its workers on SIGTERM (they run in sessions of their own).
-            proc.terminate()
-            proc.wait(timeout=60)
-            pytest.fail(f"torchrun hung for {timeout} s and was stopped:\n"
-                        f"{(out / 'stderr.log').read_text()[-6000:]}")
-    stdout, stderr = (out / "stdout.log").read_text(), (out / "stderr.log").read_text()
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
-    ranks = []
-    for r in range(nproc):
-        with open(os.path.join(out, f"rank{r}.json")) as fh:
-            info = json.load(fh)
-        ranks.append((info, torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True)))
-    return ranks, stdout
+def torchrun(out, *script_args, script=SCRIPT, **launch_args):
+    """:func:`torchrun_launch.torchrun` of ``script`` (``ddp_fit.py`` unless told)."""
+    return launch(out, script, *script_args, **launch_args)
 
 
 def lockstep_reference(task, train, epochs, batch_size, world=2):
-    """Single process, same global batches: mean of the per-rank losses per step (DDP's average)."""
+    """Single process, same global batches: the mean loss over all targets of each global batch.
+
+    Each rank's batch is its own forward pass (as on the ranks); the loss weighs every
+    target of the global batch alike, whatever rank holds it.
+    """
     model = factories.build_model(task, seed=0)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     loaders = [
@@ -72,7 +48,9 @@ def lockstep_reference(task, train, epochs, batch_size, world=2):
     for _ in range(epochs):
         for batches in zip(*loaders):
             optimizer.zero_grad()
-            loss = sum(model(x, targets=y, training=True)["loss"] for x, y in batches) / world
+            outputs = [model(x, targets=y, training=True) for x, y in batches]
+            counts = [len(out["labels"]) for out in outputs]
+            loss = sum(out["loss"] * n for out, n in zip(outputs, counts)) / sum(counts)
             loss.backward()
             optimizer.step()
     return model
@@ -222,3 +200,89 @@ def test_ddp_resume_with_node_local_disks_follows_the_newest_checkpoint(data, un
     assert load_checkpoint(local / "0")["epoch"] == 3
     if holder == 0:
         assert os.listdir(local / "1") == []
+
+
+@pytest.mark.parametrize("masking", ["clm", "mlm"])
+def test_ddp_gradient_is_the_gradient_of_the_global_batch(masking, data):
+    """Ranks of 16 and 32 sessions (unequal target counts), one SGD step with lr 1.
+
+    Before: each rank's loss was the mean over its own targets, and DDP averaged the
+    two, weighing a target of the 16-session rank twice as much as one of the other.
+    """
+    sys.path.insert(0, os.path.dirname(LOSS_SCRIPT))
+    from ddp_loss import SEED, SPLITS
+    from accelerate.utils import set_seed
+
+    ranks, _ = torchrun(data["root"] / f"out-loss-{masking}", "--masking", masking,
+                        script=LOSS_SCRIPT, timeout=180)
+    (_, w0), (_, w1) = ranks
+    assert_same_weights(w0, w1)
+
+    model = factories.testing_model(masking)
+    frame = factories.testing_frame()
+    model.train()
+    if masking == "clm":  # deterministic: one forward pass over the 48 sessions
+        loss = model(factories.testing_batch(frame.iloc[:48]), training=True)["loss"]
+    else:  # MLM masks each rank's rows from that rank's random stream (seed + rank)
+        sums, count = 0, 0
+        for rank, (start, stop) in enumerate(SPLITS):
+            set_seed(SEED + rank)
+            batch = factories.testing_batch(frame.iloc[start:stop])
+            model(batch, training=True)  # fit's unused-parameter probe draws its masks first
+            out = model(batch, training=True)
+            sums, count = sums + out["loss"] * len(out["labels"]), count + len(out["labels"])
+        loss = sums / count
+    loss.backward()
+    with torch.no_grad():
+        expected = {n: p - p.grad if p.grad is not None else p for n, p in model.named_parameters()}
+    trained = {n: w0[n] for n in expected}
+    assert_same_weights(trained, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_fit_resumed_mid_epoch_ends_on_the_uninterrupted_weights(data):
+    """54 rows and 4 steps of 16 per rank and epoch, MLM, last.pt every 2 steps.
+
+    Stopped after 7 of 8 steps, the run resumes from epoch 2, step 2; before, fit wrote
+    epoch checkpoints only and resumed at the start of the epoch.
+    """
+    common = ["--task", "next-item", "--masking", "mlm", "--train", data["uneven"],
+              "--batch-size", 16, "--shuffle", "--epochs", 2, "--save-steps", 2]
+    full, _ = torchrun(data["root"] / "out-mid-full", *common, "--checkpoint-dir",
+                       data["root"] / "ckpt-mid-full")
+    ckpt = data["root"] / "ckpt-mid"
+    torchrun(data["root"] / "out-mid-stopped", *common, "--checkpoint-dir", ckpt,
+             "--stop-after", 7, results=False)
+    saved = load_checkpoint(ckpt)
+    assert (saved["epoch"], saved["step"]) == (1, 2)
+    ranks, _ = torchrun(data["root"] / "out-mid-resumed", *common, "--checkpoint-dir", ckpt,
+                        "--resume", "--model-seed", 9)
+    (info0, w0), (_, w1) = ranks
+    assert_same_weights(w0, w1)
+    assert_same_weights(w0, full[0][1], rtol=1e-5, atol=1e-6)
+    assert [h["train_samples"] for h in info0["history"]] == [108, 108]
+
+
+def test_ddp_trainer_gradient_is_the_gradient_of_the_global_batch(data):
+    """The Trainer's step on 2 gloo ranks of 24 sessions equals one process's on all 48 (CLM)."""
+    ranks, _ = torchrun(data["root"] / "out-loss-trainer", "--masking", "clm", "--trainer",
+                        script=LOSS_SCRIPT, timeout=180)
+    (_, w0), (_, w1) = ranks
+    assert_same_weights(w0, w1)
+    model = factories.testing_model("clm")
+    model.train()
+    batch = factories.testing_batch(factories.testing_frame().iloc[:48])
+    model(batch, training=True)["loss"].backward()
+    with torch.no_grad():
+        expected = {n: p - p.grad if p.grad is not None else p for n, p in model.named_parameters()}
+    assert_same_weights({n: w0[n] for n in expected}, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_gradient_accumulation_equals_the_larger_batch(data):
+    """Per rank 2 batches of 8 per step (the first under no_sync) step as one batch of 16."""
+    common = ["--task", "binary", "--train", data["train"], "--epochs", 1]
+    ranks16, _ = torchrun(data["root"] / "out-accumulate-1", *common, "--batch-size", 16)
+    ranks8, _ = torchrun(data["root"] / "out-accumulate-2", *common, "--batch-size", 8,
+                         "--accumulate", 2)
+    assert_same_weights(ranks8[0][1], ranks8[1][1])
+    assert_same_weights(ranks8[0][1], ranks16[0][1], rtol=1e-5, atol=1e-6)
+    assert ranks8[0][0]["history"][0]["train_samples"] == 128

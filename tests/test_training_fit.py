@@ -1,5 +1,6 @@
 """Single-process ``fit``/``evaluate``: the three T4R tasks, inputs, options and errors."""
 
+import math
 import os
 
 import pytest
@@ -182,3 +183,72 @@ def test_fit_dataparallel_gathers_dict_outputs(task, data):
         "single", 0, 0, 1, torch.device("cuda:0"), "ref"))
     for name, value in single.items():
         assert history[-1][f"eval_{name}"] == pytest.approx(value, rel=1e-4, abs=1e-5), name
+
+
+class RecordedSessions(torch.utils.data.Dataset):
+    """T4R's packaged sessions, cropped and padded; remembers the order rows are read in."""
+
+    def __init__(self, frame):
+        self.columns = factories.testing_batch(frame)
+        self.read = []
+
+    def __len__(self):
+        return len(self.columns["item_id/list"])
+
+    def __getitem__(self, index):
+        self.read.append(int(index))
+        return {name: column[index] for name, column in self.columns.items()}, {}
+
+
+def test_fit_sets_the_epoch_of_a_users_distributed_sampler():
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sessions = RecordedSessions(factories.testing_frame().iloc[:96])
+    sampler = DistributedSampler(sessions, num_replicas=2, rank=1, shuffle=True, seed=3)
+    orders = []
+    fit(factories.testing_model(), DataLoader(sessions, batch_size=16, sampler=sampler), epochs=3,
+        strategy=CPU_SINGLE, progress=False,
+        callbacks=[lambda entry: orders.append(sessions.read[-48:])])
+
+    assert len(sessions.read) == 3 * 48
+    for epoch, order in enumerate(orders):
+        expected = DistributedSampler(sessions, num_replicas=2, rank=1, shuffle=True, seed=3)
+        expected.set_epoch(epoch)
+        assert order == list(expected)
+    assert len({tuple(order) for order in orders}) == 3
+
+
+def test_fit_refuses_a_scheduler_of_another_optimizer(data):
+    model = factories.build_model("binary")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="got a StepLR bound to another optimizer than "
+                                         "optimizer=SGD"):
+        fit(model, data["train"], optimizer=optimizer, lr_scheduler=other, strategy=CPU_SINGLE,
+            progress=False)
+    with pytest.raises(ValueError, match=r"optimizer=None \(fit would make its own Adam\)"):
+        fit(model, data["train"], lr_scheduler=other, strategy=CPU_SINGLE, progress=False)
+    assert all(torch.equal(v, before[k]) for k, v in snapshot(model).items())  # nothing trained
+
+
+@pytest.mark.parametrize("task", ["binary", "regression"])
+def test_gradient_accumulation_equals_the_larger_batch(task, data):
+    """2 batches of 8 per step take the step of one batch of 16 (losses are means over rows)."""
+    models = {}
+    for batch_size, accumulate in ((16, 1), (8, 2)):
+        model = factories.build_model(task, seed=0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        history = fit(model, data["train"], optimizer=optimizer, epochs=1, batch_size=batch_size,
+                      gradient_accumulation_steps=accumulate, strategy=CPU_SINGLE, shuffle=False,
+                      progress=False)
+        models[accumulate] = (snapshot(model), history)
+    (one, history_one), (two, history_two) = models[1], models[2]
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert history_two[0]["train_samples"] == history_one[0]["train_samples"] == 192
+    assert math.isfinite(history_one[0]["train_loss"])
+    with pytest.raises(ValueError, match="gradient_accumulation_steps must be a positive int, "
+                                         "got 0"):
+        fit(factories.build_model(task), data["train"], gradient_accumulation_steps=0,
+            strategy=CPU_SINGLE)

@@ -106,8 +106,10 @@ def save_checkpoint(
     history: list,
     lr_scheduler=None,
     scaler=None,
+    step: int = 0,
+    epoch_totals: Optional[torch.Tensor] = None,
 ) -> Optional[str]:
-    """Write ``last.pt`` after ``epoch`` completed epochs; call on every rank.
+    """Write ``last.pt`` after ``epoch`` completed epochs and ``step`` batches; call on every rank.
 
     Parameters
     ----------
@@ -122,6 +124,10 @@ def save_checkpoint(
     epoch : int
         Number of completed epochs.
     history : list of dict
+    step : int
+        Batches (optimizer steps) already taken in epoch ``epoch + 1``: 0 at an epoch's end.
+    epoch_totals : torch.Tensor, optional
+        That epoch's running totals over all ranks (``fit``'s loss sum, batches, rows).
 
     Returns
     -------
@@ -135,6 +141,8 @@ def save_checkpoint(
         payload = {
             "format": _FORMAT,
             "epoch": int(epoch),
+            "step": int(step),
+            "epoch_totals": epoch_totals,
             "world_size": state.world_size,
             "model": unwrap_model(model).state_dict(),
             "optimizer": optimizer.state_dict(),
@@ -227,7 +235,7 @@ def _newest_across_ranks(path, state: DistributedState, map_location) -> Optiona
         payload = None if data is None else _parse(data, path, map_location)
     except CheckpointError as exc:
         data, error = None, exc
-    status = _UNREADABLE if error else (_NO_FILE if payload is None else int(payload["epoch"]))
+    status = _UNREADABLE if error else (_NO_FILE if payload is None else _progress(payload))
     statuses = _all_gather_ints(status, state)
     broken = [rank for rank, s in enumerate(statuses) if s == _UNREADABLE]
     if broken:
@@ -240,10 +248,18 @@ def _newest_across_ranks(path, state: DistributedState, map_location) -> Optiona
         return None
     source = statuses.index(newest)
     if state.is_main_process and any(s != newest for s in statuses):
-        logger.warning("checkpoint epochs per rank are %s; every rank resumes from rank %d's "
-                       "(epoch %d)", statuses, source, newest)
+        logger.warning("checkpoints per rank are at (epoch, step) %s; every rank resumes from "
+                       "rank %d's", [divmod(s, _STEPS) for s in statuses], source)
     received = _broadcast_bytes(data, source, state)
     return payload if state.rank == source else _parse(received, path, map_location)
+
+
+_STEPS = 1 << 32  # steps per epoch are fewer: epoch * _STEPS + step orders checkpoints
+
+
+def _progress(payload) -> int:
+    """How far a checkpoint's run got, as one int that orders checkpoints."""
+    return int(payload["epoch"]) * _STEPS + int(payload.get("step", 0))
 
 
 def _all_gather_ints(value: int, state: DistributedState) -> list:

@@ -23,10 +23,12 @@ tensors are what ``DataParallel`` can scatter along the batch dimension
 """
 
 import bisect
+import contextlib
 import glob
 import itertools
 import os
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+import weakref
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -37,7 +39,10 @@ from merlin_t4r_ops.sequence import core_schema, pad_lists_fn, resolve_sequence_
 from merlin_t4r_ops.training.metrics import prediction_tasks
 from merlin_t4r_ops.training.state import DistributedState, unwrap_model
 
-__all__ = ["ShardedLoader", "make_loader", "model_columns", "shard_rows", "to_device"]
+__all__ = [
+    "ShardedLoader", "EpochBatches", "batches_of", "make_loader", "model_columns", "shard_rows",
+    "to_device",
+]
 
 DP_NEEDS_WIDTH = (
     "strategy 'dp' needs dense [batch, width] tensors to split along the batch dimension "
@@ -157,6 +162,82 @@ def _take_rows(frame, rows):
     return frame.iloc[rows]
 
 
+class EpochBatches:
+    """One pass over a :class:`ShardedLoader`: an iterator that ends Merlin's reading thread.
+
+    Merlin's ``Loader`` reads ahead in a thread that blocks on a one-chunk queue; a pass
+    abandoned before its end (``max_steps``, a probe batch, ``eval_steps_on_train_set``)
+    leaves that thread spinning in ``ChunkQueue.put`` for as long as the process lives.
+    :meth:`close` (also ``with``, and when the pass is garbage-collected) stops and joins it.
+
+    Parameters
+    ----------
+    open_loader : callable
+        Returns the pass's Merlin ``Loader`` (or None for an empty shard); called at
+        the first ``next``, so that an iterator never read starts no thread.
+    pad : callable, optional
+        ``(x, y) -> (x, y)`` applied to each batch.
+    """
+
+    def __init__(self, open_loader, pad=None):
+        self._open_loader = open_loader
+        self._loader = self._batches = None
+        self._pad = pad
+
+    def __iter__(self) -> "EpochBatches":
+        return self
+
+    def __next__(self):
+        if self._open_loader is not None:
+            self._loader, self._open_loader = self._open_loader(), None
+            self._batches = iter(self._loader) if self._loader is not None else None
+        if self._batches is None:
+            raise StopIteration
+        try:
+            x, y = next(self._batches)
+        except BaseException:
+            self.close()
+            raise
+        return self._pad(x, y) if self._pad else (x, y)
+
+    def close(self) -> None:
+        """Stop and join the reading thread; the pass yields nothing more."""
+        loader, self._loader, self._batches, self._open_loader = self._loader, None, None, None
+        if loader is not None:
+            loader.stop()
+
+    def __enter__(self) -> "EpochBatches":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+
+@contextlib.contextmanager
+def batches_of(loader) -> Iterator[Iterator]:
+    """``with batches_of(loader) as batches``: one pass, closed however the block ends.
+
+    Closes what ``iter(loader)`` returned when it has ``close`` (an :class:`EpochBatches`,
+    a generator); other iterators (a ``torch.utils.data.DataLoader``'s) end as they do.
+    """
+    batches = iter(loader)
+    try:
+        yield batches
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
+
+
+def first_batch(loader):
+    """The first batch of ``loader``, or None when it is empty; the pass is closed."""
+    with batches_of(loader) as batches:
+        return next(batches, None)
+
+
 class ShardedLoader:
     """This rank's shard of a Merlin dataset as ``(inputs, targets)`` batches.
 
@@ -240,10 +321,19 @@ class ShardedLoader:
         self.list_columns = [c.name for c in schema if c.is_list]
         self.id_columns = [c.name for c in schema if Tags.CATEGORICAL in c.tags]
         self.partition_lengths = _partition_lengths(dataset)
+        self._passes = weakref.WeakSet()
+        self._skip_rows = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next pass read ``epoch`` (same order on every rank)."""
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Make the next pass read ``epoch`` (same order on every rank).
+
+        ``skip_batches``: the next pass starts after that many of its batches (a run
+        resumed mid-epoch); their rows are not read. Later passes start at their first.
+        """
+        if not isinstance(skip_batches, int) or skip_batches < 0:
+            raise ValueError(f"skip_batches must be a non-negative int, got {skip_batches!r}")
         self.epoch = int(epoch)
+        self._skip_rows = skip_batches * self.batch_size
 
     def shard(self, epoch: int) -> List[Tuple[int, int, int]]:
         """``(partition, start, stop)`` row ranges this rank reads in ``epoch``, in order."""
@@ -265,18 +355,26 @@ class ShardedLoader:
         rows = self.num_rows
         return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
 
-    def __iter__(self):
-        epoch = self.epoch
-        self.epoch += 1
-        return self._batches(epoch)
+    def __iter__(self) -> EpochBatches:
+        epoch, skip_rows = self.epoch, self._skip_rows
+        self.epoch, self._skip_rows = epoch + 1, 0
+        batches = self._batches(epoch, skip_rows)
+        self._passes.add(batches)
+        return batches
 
-    def _epoch_loader(self, epoch: int):
-        """Merlin's ``Loader`` over this rank's rows of ``epoch``, or None for an empty shard."""
+    def close(self) -> None:
+        """Close every pass still open (see :class:`EpochBatches`)."""
+        for batches in list(self._passes):
+            batches.close()
+
+    def _epoch_loader(self, epoch: int, skip_rows: int = 0):
+        """Merlin's ``Loader`` over this rank's rows of ``epoch`` after the first
+        ``skip_rows``, or None when none is left."""
         import dask.dataframe as dd
         from merlin.dataloader.torch import Loader
         from merlin.io import Dataset
 
-        pieces = self.shard(epoch)
+        pieces = _after_rows(self.shard(epoch), skip_rows)
         if not pieces:
             return None
         frame = self.dataset.to_ddf(columns=self.schema.column_names).clear_divisions()
@@ -295,17 +393,26 @@ class ShardedLoader:
         device = self.state.device.index if self.state.device.type == "cuda" else "cpu"
         return Loader(shard, self.batch_size, drop_last=self.drop_last, device=device)
 
-    def _batches(self, epoch: int):
-        loader = self._epoch_loader(epoch)
-        if loader is None:
-            return
+    def _batches(self, epoch: int, skip_rows: int) -> EpochBatches:
         pad = None
         if self.max_sequence_length:
             pad = pad_lists_fn(self.max_sequence_length, self.list_columns, self.id_columns)
-        for x, y in loader:
-            if pad:
-                x, y = pad(x, y)
-            yield x, y
+        return EpochBatches(lambda: self._epoch_loader(epoch, skip_rows), pad)
+
+
+def _after_rows(pieces, skip_rows: int) -> List[Tuple[int, int, int]]:
+    """``pieces`` (``(partition, start, stop)`` in reading order) without their first rows.
+
+    Merlin's ``Loader`` cuts batches from consecutive rows, so dropping ``k * batch_size``
+    rows makes its batches the ones after the first ``k`` of the full pass.
+    """
+    kept = []
+    for partition, start, stop in pieces:
+        dropped = min(skip_rows, stop - start)
+        skip_rows -= dropped
+        if start + dropped < stop:
+            kept.append((partition, start + dropped, stop))
+    return kept
 
 
 def make_loader(

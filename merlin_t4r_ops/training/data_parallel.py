@@ -16,13 +16,22 @@ adds them with the model's task and head weights, which is the loss one device
 computes over the whole batch, and a replica without targets adds nothing.
 ``fit``, ``evaluate`` and the ``Trainer`` all wrap with :func:`data_parallel`
 and read the loss with :func:`batch_loss`.
+
+DDP has the same flaw across processes: it averages the ranks' gradients, each of
+a mean over that rank's own targets (under CLM and MLM every rank holds another
+number). :func:`rank_loss` scales each rank's loss sum by the *global* target
+count (one all-reduce of the counts), so DDP's average is the gradient of the
+mean over all targets of the global batch, as one process would compute it.
 """
 
 from typing import Iterator, Tuple
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["ReplicaLoss", "data_parallel", "forward_batch", "batch_loss", "loss_sum_and_count"]
+__all__ = [
+    "ReplicaLoss", "data_parallel", "forward_batch", "batch_loss", "loss_sum_and_count", "rank_loss",
+]
 
 
 def target_count(labels) -> int:
@@ -118,6 +127,35 @@ def batch_loss(output: dict) -> torch.Tensor:
         return (total / n).sum()
     loss = output["loss"]
     return loss.mean() if loss.dim() > 0 else loss
+
+
+def rank_loss(output: dict, model, state) -> torch.Tensor:
+    """The loss this process backpropagates: its share of the global batch's loss under DDP.
+
+    Parameters
+    ----------
+    output : dict
+        The training output of this process's forward pass.
+    model : transformers4rec.torch.Model
+        Unwrapped (for the task weights of a multi-task model).
+    state : DistributedState or None
+        Under DDP every rank calls this at every step (one all-reduce of the
+        per-task target counts); otherwise, or None (ranks not in lockstep), it is
+        :func:`batch_loss`.
+
+    Returns
+    -------
+    torch.Tensor
+        ``sum over tasks of world_size * loss_sum / global n_targets``: DDP's gradient
+        average of it is the gradient of the global batch's loss. The mean of it
+        over the ranks is that loss; a task without targets on any rank adds 0.
+    """
+    if state is None or not state.is_distributed:
+        return batch_loss(output)
+    sums, counts = loss_sum_and_count(output, model)
+    total = counts.detach().clone()
+    dist.all_reduce(total)
+    return (sums * state.world_size / total.clamp_min(1)).sum()
 
 
 class ReplicaLoss(torch.nn.Module):

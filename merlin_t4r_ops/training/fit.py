@@ -46,6 +46,7 @@ square-root scaling is often safer). ``fit`` does not rescale ``lr`` for you;
 """
 
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -58,8 +59,14 @@ from tqdm.auto import tqdm
 
 from merlin_t4r_ops.errors import StrategyError
 from merlin_t4r_ops.training.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
-from merlin_t4r_ops.training.data import make_loader, to_device
-from merlin_t4r_ops.training.data_parallel import batch_loss, forward_batch
+from merlin_t4r_ops.training.data import (
+    ShardedLoader,
+    batches_of,
+    first_batch,
+    make_loader,
+    to_device,
+)
+from merlin_t4r_ops.training.data_parallel import forward_batch, rank_loss
 from merlin_t4r_ops.training.metrics import MetricAccumulator
 from merlin_t4r_ops.training.state import (
     DistributedState,
@@ -142,8 +149,8 @@ def _evaluate(model, loader, state: DistributedState, amp: bool) -> dict:
     accumulator = MetricAccumulator(inner, state)
     was_training = inner.training
     inner.eval()
-    with torch.no_grad():
-        for x, y in loader:
+    with torch.no_grad(), batches_of(loader) as batches:
+        for x, y in batches:
             x, y = to_device(x, state.device), to_device(y, state.device)
             with _autocast(amp, state):
                 output = forward_batch(runner, x, y, testing=True)
@@ -185,7 +192,9 @@ def fit(
     lr_scheduler=None,
     lr_scheduler_interval: str = "epoch",
     max_grad_norm: Optional[float] = None,
+    gradient_accumulation_steps: int = 1,
     checkpoint_dir=None,
+    save_steps: Optional[int] = None,
     resume: bool = False,
     seed: Optional[int] = None,
     shuffle: bool = True,
@@ -244,10 +253,22 @@ def fit(
         ``lr_scheduler_interval="step"``.
     max_grad_norm : float, optional
         Clip the global gradient norm (after unscaling under AMP).
+    gradient_accumulation_steps : int
+        Batches whose gradients make one optimizer step (each loss divided by it, as
+        Hugging Face does; the last step of an epoch may take fewer). Under DDP the
+        batches before a step run under ``no_sync``: one gradient all-reduce per step.
+        ``save_steps`` and ``lr_scheduler_interval="step"`` count optimizer steps.
     checkpoint_dir : str or os.PathLike, optional
         Write ``last.pt`` after each epoch (main process, atomically).
+    save_steps : int, optional
+        Also write ``last.pt`` every ``save_steps`` optimizer steps of an epoch (counted
+        from the epoch's start), so that a run resumes mid-epoch. Needs ``checkpoint_dir``;
+        under DDP, loaders with ``len()`` on every rank (else only epoch checkpoints).
     resume : bool
-        Continue from ``checkpoint_dir/last.pt`` when it exists. Under DDP rank
+        Continue from ``checkpoint_dir/last.pt`` when it exists, at its epoch and batch:
+        the data order is restored exactly (the loaders ``fit`` builds start at that
+        batch without reading the ones before; a user's loader is read up to it).
+        Under DDP rank
         0 reads its own ``checkpoint_dir`` and broadcasts the checkpoint, so
         every rank resumes from the same state even when the nodes have
         separate local disks.
@@ -276,6 +297,17 @@ def fit(
     """
     state = _state(strategy)
     _check_args(epochs, batch_size, amp, state, resume, checkpoint_dir, lr_scheduler_interval)
+    if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+        raise ValueError(
+            "gradient_accumulation_steps must be a positive int, got "
+            f"{gradient_accumulation_steps!r}"
+        )
+    if save_steps is not None and (not isinstance(save_steps, int) or save_steps < 1
+                                   or checkpoint_dir is None):
+        raise ValueError(
+            "save_steps must be None or a positive int with checkpoint_dir= set, got "
+            f"save_steps={save_steps!r}, checkpoint_dir={checkpoint_dir!r}"
+        )
     inner = unwrap_model(model)
     if inner is not model:
         raise StrategyError(
@@ -300,6 +332,15 @@ def fit(
         eval_loader = make_loader(
             eval_data, model, state, batch_size=eval_batch_size or batch_size, shuffle=False
         )
+    if lr_scheduler is not None and (
+        optimizer is None or getattr(lr_scheduler, "optimizer", None) is not optimizer
+    ):
+        raise ValueError(
+            f"lr_scheduler must schedule the optimizer that fit steps; got a "
+            f"{type(lr_scheduler).__name__} bound to another optimizer than optimizer="
+            + ("None (fit would make its own Adam): pass the scheduler's optimizer as optimizer="
+               if optimizer is None else f"{type(optimizer).__name__}")
+        )
     if optimizer is None:
         optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     scaler = torch.amp.GradScaler("cuda") if amp else None
@@ -309,7 +350,7 @@ def fit(
         if state.is_distributed and find_unused_parameters is None:
             # Before restoring RNG states: a resumed run must continue the
             # uninterrupted run's random stream, which drew this probe at its start.
-            batch = next(iter(train_loader), None)
+            batch = first_batch(train_loader)
             batch = None if batch is None else tuple(to_device(b, state.device) for b in batch)
             unused, disagree = probe_unused_parameters(model, batch, state)
             frozen = freeze(model, unused)
@@ -320,19 +361,32 @@ def fit(
                 logger.info("ranks use different parameters; DDP find_unused_parameters=True")
 
         history: List[dict] = []
-        start_epoch = 0
+        start_epoch, resume_at = 0, None
         if resume:
             ckpt = load_checkpoint(checkpoint_dir, map_location="cpu", state=state)
             if ckpt is not None:
-                start_epoch, history = _restore(ckpt, model, optimizer, lr_scheduler, scaler, state)
+                start_epoch, history, resume_at = _restore(
+                    ckpt, model, optimizer, lr_scheduler, scaler, state
+                )
             elif state.is_main_process:
                 logger.info("resume=True but %s holds no checkpoint; starting at epoch 1", checkpoint_dir)
 
         wrapped = prepare_model(model, state, find_unused_parameters=bool(find_unused_parameters))
+        def save_mid_epoch(epoch, step, optimizer_steps, totals):
+            if optimizer_steps % save_steps == 0:
+                save_checkpoint(
+                    checkpoint_dir, state, model=model, optimizer=optimizer, epoch=epoch,
+                    history=history, lr_scheduler=lr_scheduler, scaler=scaler, step=step,
+                    epoch_totals=_global_totals(totals, state),
+                )
+
         for epoch in range(start_epoch, epochs):
             entry = _train_epoch(
                 wrapped, train_loader, optimizer, state, epoch, epochs, amp, scaler,
                 max_grad_norm, lr_scheduler if lr_scheduler_interval == "step" else None, progress,
+                resume_at=resume_at if epoch == start_epoch else None,
+                save=save_mid_epoch if save_steps else None,
+                accumulate=gradient_accumulation_steps,
             )
             if lr_scheduler is not None and lr_scheduler_interval == "epoch":
                 lr_scheduler.step()
@@ -370,9 +424,11 @@ def _restore(ckpt, model, optimizer, lr_scheduler, scaler, state):
             "checkpoint holds RNG states of %d ranks, this run has %d; RNG streams not restored",
             len(rngs), state.world_size,
         )
+    step = int(ckpt.get("step", 0))
     if state.is_main_process:
-        logger.info("resumed from checkpoint after epoch %d", ckpt["epoch"])
-    return int(ckpt["epoch"]), list(ckpt.get("history") or [])
+        logger.info("resumed from checkpoint after epoch %d, step %d", ckpt["epoch"], step)
+    resume_at = {"step": step, "totals": ckpt["epoch_totals"].cpu()} if step else None
+    return int(ckpt["epoch"]), list(ckpt.get("history") or []), resume_at
 
 
 def _join(wrapped, state):
@@ -384,92 +440,135 @@ def _join(wrapped, state):
 
 
 def _step_count(loader, state):
-    """``(local, target)`` batch counts; target is the largest rank's count under DDP."""
+    """``(local, target, lockstep)`` batch counts; target is the largest rank's count under DDP.
+
+    ``lockstep`` (the same on every rank): every rank takes every step, so a collective
+    per step (:func:`rank_loss`'s target count) is safe. Not so when some loader has no
+    ``len()`` or some rank has no batch; then DDP's ``join`` shadows its own all-reduces only.
+    """
     try:
         n_local = len(loader)
     except TypeError:
-        return None, None
+        n_local = None
     if not state.is_distributed:
-        return n_local, n_local
-    count = torch.tensor([n_local], dtype=torch.int64, device=state.device)
+        return n_local, n_local, True
+    known = -1 if n_local is None else n_local
+    count = torch.tensor([known, -known], dtype=torch.int64, device=state.device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return n_local, int(count.item())
+    most, fewest = int(count[0]), -int(count[1])
+    if fewest < 0:
+        return n_local, None, False
+    return n_local, most, fewest > 0
 
 
-def _even_batches(loader, n_local, n_steps):
+def _even_batches(loader, n_local, n_steps, done=0):
     """Yield this rank's batches, repeating from its start up to ``n_steps``.
 
     Like ``DistributedSampler`` padding: every rank takes the same number of
     optimizer steps, so replicas *and optimizer states* stay identical. DDP's
     ``join`` alone keeps weights equal only by a final broadcast, while the
     ranks that joined early skip optimizer steps and their Adam moments drift
-    (a resumed run would then differ from an uninterrupted one).
+    (a resumed run would then differ from an uninterrupted one). ``done``: batches
+    the loader's first pass leaves out (resumed mid-epoch).
     """
     if n_steps is None or n_steps <= n_local:
-        yield from loader
+        with batches_of(loader) as batches:
+            yield from batches
         return
-    produced = 0
+    produced = done
     while produced < n_steps:
         before = produced
-        for batch in loader:
-            yield batch
-            produced += 1
-            if produced == n_steps:
-                return
+        with batches_of(loader) as batches:
+            for batch in batches:
+                yield batch
+                produced += 1
+                if produced == n_steps:
+                    return
         if produced == before:
             return  # empty shard: join() covers the missing steps
 
 
+def _set_epoch(loader, epoch: int, skip: int = 0) -> bool:
+    """Give ``epoch`` to whatever orders the batches, as Hugging Face's Trainer does.
+
+    A :class:`~merlin_t4r_ops.training.data.ShardedLoader` takes it itself, with the
+    ``skip`` batches its next pass leaves out; a user's ``DataLoader`` through its sampler
+    (``DistributedSampler`` shuffles from ``seed + epoch``, so without it every epoch
+    repeats the first one's order). Returns whether the loader skips the ``skip`` batches.
+    """
+    if isinstance(loader, ShardedLoader):
+        loader.set_epoch(epoch, skip_batches=skip)
+        return True
+    samplers = [getattr(loader, "sampler", None),
+                getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
+    for target in [loader, *samplers]:
+        if hasattr(target, "set_epoch"):
+            target.set_epoch(epoch)
+            break
+    return skip == 0
+
+
+def _global_totals(totals: torch.Tensor, state) -> torch.Tensor:
+    """``totals`` summed over the ranks (a collective under DDP)."""
+    if not state.is_distributed:
+        return totals.clone()
+    summed = totals.to(state.device, copy=True)  # on the CPU .to() would alias totals
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    return summed.cpu()
+
+
 def _train_epoch(
     wrapped, loader, optimizer, state, epoch, epochs, amp, scaler, max_grad_norm, step_scheduler,
-    progress,
+    progress, resume_at=None, save=None, accumulate=1,
 ) -> dict:
-    if hasattr(loader, "set_epoch"):
-        loader.set_epoch(epoch)
+    """One epoch; ``resume_at`` (``{"step", "totals"}``) continues a mid-epoch checkpoint,
+    ``save(epoch, batches, optimizer_steps, totals)`` is offered after every optimizer step
+    but the epoch's last (ranks in lockstep); ``accumulate`` batches make one step."""
+    skip = resume_at["step"] if resume_at else 0
+    placed = _set_epoch(loader, epoch, skip)
     wrapped.train()
-    loss_sum = torch.zeros(2, dtype=torch.float64)
-    samples = 0
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, batches, rows
+    if resume_at and state.is_main_process:
+        totals += resume_at["totals"]  # all ranks' totals so far, counted once
     start = time.perf_counter()
-    n_local, n_steps = _step_count(loader, state)
+    n_local, n_steps, lockstep = _step_count(loader, state)
+    batches = _even_batches(loader, n_local, n_steps, done=skip if placed else 0)
+    if not placed:
+        batches = itertools.islice(batches, skip, None)
     bar = tqdm(
-        _even_batches(loader, n_local, n_steps),
+        batches,
         total=n_steps,
+        initial=skip,
         desc=f"epoch {epoch + 1}/{epochs}",
         disable=not (progress and state.is_main_process),
         leave=False,
     )
+    step_args = (wrapped, optimizer, scaler, max_grad_norm, step_scheduler)
+    pending = False
+    optimizer.zero_grad(set_to_none=True)
     with _join(wrapped, state):
-        for x, y in bar:
+        for step, (x, y) in enumerate(bar, start=skip + 1):
             x, y = to_device(x, state.device), to_device(y, state.device)
-            optimizer.zero_grad(set_to_none=True)
-            with _autocast(amp, state):
-                loss = batch_loss(forward_batch(wrapped, x, y, training=True))
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.unscale_(optimizer)
-            else:
-                loss.backward()
-            if max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_grad_norm)
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            if step_scheduler is not None:
-                step_scheduler.step()
+            boundary = step % accumulate == 0 or step == n_steps
+            with _no_sync(wrapped, state, boundary):
+                with _autocast(amp, state):
+                    output = forward_batch(wrapped, x, y, training=True)
+                    loss = rank_loss(output, unwrap_model(wrapped), state if lockstep else None)
+                (scaler.scale(loss / accumulate) if scaler else loss / accumulate).backward()
+            pending = not boundary
+            if boundary:
+                _optimizer_step(*step_args)
             value = float(loss.detach())
             if not math.isfinite(value) and state.is_main_process:
                 logger.warning("non-finite training loss %s at epoch %d", value, epoch + 1)
-            loss_sum += torch.tensor([value, 1.0], dtype=torch.float64)
-            samples += _batch_rows(x)
+            totals += torch.tensor([value, 1.0, float(_batch_rows(x))], dtype=torch.float64)
             bar.set_postfix(loss=f"{value:.4f}")
+            if save is not None and lockstep and boundary and step != n_steps:
+                save(epoch, step, step // accumulate, totals)
+        if pending:  # a loader without len(): its last batches still make a step
+            _optimizer_step(*step_args)
     bar.close()
-    totals = torch.cat([loss_sum, torch.tensor([float(samples)], dtype=torch.float64)])
-    if state.is_distributed:
-        totals = totals.to(state.device)
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-        totals = totals.cpu()
+    totals = _global_totals(totals, state)
     seconds = time.perf_counter() - start
     if state.is_distributed:
         # The slowest rank's time is the epoch's time.
@@ -483,6 +582,33 @@ def _train_epoch(
         "train_seconds": seconds,
         "lr": float(optimizer.param_groups[0]["lr"]),
     }
+
+
+def _no_sync(wrapped, state, boundary: bool):
+    """DDP's ``no_sync`` for a batch that does not end an accumulation: no all-reduce."""
+    if state.is_distributed and not boundary:
+        return wrapped.no_sync()
+    return contextlib.nullcontext()
+
+
+def _optimizer_step(wrapped, optimizer, scaler, max_grad_norm, step_scheduler) -> None:
+    """Clip, step (through GradScaler under AMP), step the scheduler, clear the gradients."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_grad_norm)
+    stepped = True
+    if scaler is not None:
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        # GradScaler skips the step on inf/NaN gradients and lowers its scale.
+        stepped = scaler.get_scale() >= scale
+    else:
+        optimizer.step()
+    if step_scheduler is not None and stepped:
+        step_scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _format(entry: dict, epochs: int) -> str:

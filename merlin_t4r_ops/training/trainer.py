@@ -29,13 +29,16 @@ loop and the saving/logging guards.
 """
 
 import contextlib
+import itertools
+import os
+import weakref
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 from accelerate.utils import send_to_device
 from transformers.trainer_pt_utils import find_batch_size
-from transformers.trainer_utils import EvalLoopOutput
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 from transformers.training_args import ParallelMode
 from transformers4rec.config.trainer import T4RecTrainingArguments
 from transformers4rec.torch import Trainer as T4RTrainer
@@ -45,15 +48,29 @@ from transformers4rec.torch.utils.torch_utils import nested_detach
 
 from merlin_t4r_ops.errors import StrategyError
 from merlin_t4r_ops.sequence import resolve_sequence_length
-from merlin_t4r_ops.training.data import DP_NEEDS_WIDTH, ShardedLoader, as_dataset, model_columns
+from merlin_t4r_ops.training.data import (
+    DP_NEEDS_WIDTH,
+    ShardedLoader,
+    as_dataset,
+    batches_of,
+    model_columns,
+)
 from merlin_t4r_ops.training.data_parallel import (
     batch_loss,
     data_parallel,
     forward_batch,
     loss_sum_and_count,
+    rank_loss,
 )
 from merlin_t4r_ops.training.metrics import MetricAccumulator, prediction_tasks
 from merlin_t4r_ops.training.predictions import check_top_k, gather_to_main, select_top_k
+from merlin_t4r_ops.training.resume import (
+    load_optimizer_and_scheduler,
+    load_rng_state,
+    place_loader,
+    resolve_checkpoint,
+    save_rng_state,
+)
 from merlin_t4r_ops.training.state import DistributedState, resolve_strategy, unwrap_model
 
 __all__ = ["Trainer"]
@@ -93,7 +110,7 @@ class Trainer(T4RTrainer):
     ``predict()`` returns T4R's types, order and shapes (see
     :mod:`~merlin_t4r_ops.training.predictions`). Intended differences: under
     DDP only rank 0 receives predictions (all ranks' rows, in rank order; the
-    other ranks get ``None``), because every rank holding every rank's rows
+    other ranks get a ``PredictionOutput`` whose ``predictions`` is ``None``), because every rank holding every rank's rows
     multiplies memory by the world size, while T4R returns each rank's own
     rows; and ``evaluation_loop`` returns no predictions or labels for
     evaluation, which Hugging Face's ``evaluate()`` discards anyway.
@@ -113,6 +130,8 @@ class Trainer(T4RTrainer):
         self.dist_state = resolve_strategy(strategy)
         _align_args(args, self.dist_state)
         # T4R's default `callbacks=[]` is one shared list that incremental logging appends to.
+        self._loaders = weakref.WeakSet()  # closed when train() returns, see train()
+        self._resume_from = None  # the checkpoint train() resumes from, while it runs
         super().__init__(model=model, args=args, callbacks=list(callbacks or []), **kwargs)
 
     # ---- data -----------------------------------------------------------------------------
@@ -132,7 +151,7 @@ class Trainer(T4RTrainer):
             required_for=DP_NEEDS_WIDTH if self.dist_state.strategy == "dp" else None,
         )
         inputs, targets = model_columns(self.model)
-        return ShardedLoader(
+        loader = ShardedLoader(
             as_dataset(path, self.schema),
             self.dist_state,
             batch_size,
@@ -145,13 +164,40 @@ class Trainer(T4RTrainer):
             # Every optimizer step is a collective: ranks need equal batch counts.
             equal_shards=train,
         )
+        self._loaders.add(loader)
+        return loader
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """T4R's ``train``, resumable mid-epoch and at epoch boundaries.
+
+        With ``resume_from_checkpoint`` the Trainer's own train loader starts at the
+        checkpoint's epoch and batch (:mod:`~merlin_t4r_ops.training.resume`) instead of
+        Hugging Face skipping batches through accelerate, which needs a torch
+        ``DataLoader``. When it returns, the passes left open (``max_steps`` stops
+        mid-epoch) end their reading threads.
+        """
+        checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        ignore_data_skip = self.args.ignore_data_skip
+        if checkpoint is not None and self.train_dataloader is None and not ignore_data_skip:
+            self._resume_from = checkpoint
+            self.args.ignore_data_skip = True  # the loader is placed; Hugging Face skips nothing
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self.args.ignore_data_skip = ignore_data_skip
+            self._resume_from = None
+            for loader in list(self._loaders):
+                loader.close()
 
     def get_train_dataloader(self):
         """Train loader: shuffled and balanced by rows every epoch; user-given loaders as is."""
         if self.train_dataloader is not None:
             return self.train_dataloader
         # train_batch_size is per_device_train_batch_size x GPUs under DataParallel (HF's meaning).
-        return self._merlin_loader(self.train_dataset_or_path, self.args.train_batch_size, True)
+        loader = self._merlin_loader(self.train_dataset_or_path, self.args.train_batch_size, True)
+        if self._resume_from is not None:
+            place_loader(loader, self._resume_from, self.args.gradient_accumulation_steps)
+        return loader
 
     def get_eval_dataloader(self, eval_dataset=None):
         """Eval loader sharded by global rank, every row once (ranks may differ by a batch).
@@ -186,7 +232,11 @@ class Trainer(T4RTrainer):
         return super()._wrap_model(model, training=training, dataloader=dataloader)
 
     def compute_loss(self, model, inputs, return_outputs=False):
-        """T4R's ``compute_loss``, with the batch's exact loss under DataParallel."""
+        """T4R's ``compute_loss``, exact under DataParallel and DDP (:func:`rank_loss`).
+
+        Under DDP the loss backpropagated on a rank is its share of the global batch's
+        loss; Hugging Face logs the mean over ranks, which is that loss.
+        """
         features, targets = inputs
         outputs = forward_batch(model, features, targets, training=True)
         if "loss" not in outputs:
@@ -194,7 +244,7 @@ class Trainer(T4RTrainer):
                 "The model did not return a loss from the inputs, only the following keys: "
                 f"{','.join(outputs.keys())}"
             )
-        loss = batch_loss(outputs)
+        loss = rank_loss(outputs, unwrap_model(model), self.dist_state)
         return (loss, outputs) if return_outputs else loss
 
     def prediction_step(
@@ -217,7 +267,9 @@ class Trainer(T4RTrainer):
             which evaluation weights batches by their targets.
         """
         features, targets = self._prepare_inputs(inputs)
-        autocast = torch.autocast("cuda") if self._use_cuda_amp else contextlib.nullcontext()
+        # amp_dtype: bfloat16 under args.bf16 (torch.autocast's own default is float16).
+        autocast = (torch.autocast("cuda", dtype=self.amp_dtype) if self._use_cuda_amp
+                    else contextlib.nullcontext())
         with torch.no_grad(), autocast:
             outputs = forward_batch(model, features, targets, training=training, testing=testing)
         if not testing:
@@ -266,23 +318,22 @@ class Trainer(T4RTrainer):
         acc = MetricAccumulator(core, self.dist_state)
         predictions, n_rows = [], 0
         max_steps = self.args.eval_steps_on_train_set if metric_key_prefix == "train" else 0
-        for step, inputs in enumerate(dataloader):
-            if max_steps and step >= max_steps:
-                break
-            n_rows += find_batch_size(inputs) or 0
-            _, preds, labels, stats = self.prediction_step(
-                model, inputs, not (with_metrics or keep_predictions), ignore_keys, testing=testing
-            )
-            if testing:
-                acc.update({**stats, "predictions": preds, "labels": labels})
-                if preds is not None:
-                    self._log_batch(core, step, preds, labels, next_items, metric_key_prefix)
-            elif keep_predictions:
-                top_k = select_top_k(preds, next_items, self.args.predict_top_k, core.top_k)
-                predictions.append(send_to_device(top_k, "cpu"))
-            self.control = self.callback_handler.on_prediction_step(
-                self.args, self.state, self.control
-            )
+        with batches_of(dataloader) as batches:
+            for step, inputs in enumerate(itertools.islice(batches, max_steps or None)):
+                n_rows += find_batch_size(inputs) or 0
+                _, preds, labels, stats = self.prediction_step(
+                    model, inputs, not (with_metrics or keep_predictions), ignore_keys, testing=testing
+                )
+                if testing:
+                    acc.update({**stats, "predictions": preds, "labels": labels})
+                    if preds is not None:
+                        self._log_batch(core, step, preds, labels, next_items, metric_key_prefix)
+                elif keep_predictions:
+                    top_k = select_top_k(preds, next_items, self.args.predict_top_k, core.top_k)
+                    predictions.append(send_to_device(top_k, "cpu"))
+                self.control = self.callback_handler.on_prediction_step(
+                    self.args, self.state, self.control
+                )
 
         metrics = {}
         if testing:
@@ -327,6 +378,22 @@ class Trainer(T4RTrainer):
         return int(total.item())
 
     # ---- saving / logging -----------------------------------------------------------------
+
+    def _save_checkpoint(self, model, trial, metrics=None):
+        """Hugging Face's checkpoint, with RNG states that load with ``weights_only=True``."""
+        super()._save_checkpoint(model, trial, metrics=metrics)
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        save_rng_state(os.path.join(self._get_output_dir(trial=trial), folder), self.args)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """Hugging Face's, with the optimizer state mapped to this process's device."""
+        if checkpoint is not None:
+            load_optimizer_and_scheduler(self, checkpoint, self.dist_state.device)
+
+    def _load_rng_state(self, checkpoint):
+        """Read the RNG states :meth:`_save_checkpoint` wrote, with ``weights_only=True``."""
+        if checkpoint is not None:
+            load_rng_state(checkpoint, self.args)
 
     def _save_model_and_checkpoint(self, save_model_class=False):
         # T4R writes the pickled model class from every rank into the same directory.

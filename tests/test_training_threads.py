@@ -1,0 +1,95 @@
+"""No Merlin loader thread outlives a pass over the data, however the pass ends.
+
+Merlin's ``Loader`` reads ahead in a thread ("Thread-N (load_chunks)") that blocks on a
+one-chunk queue, so a pass abandoned early (``max_steps``, the unused-parameter probe,
+``eval_steps_on_train_set``) left it spinning for the life of the process. The data is
+T4R's packaged ``tabular_sequence_testing_data`` (1,000 sessions) in 4 partitions: more
+chunks than the queue holds.
+"""
+
+import os
+import sys
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import t4r_training_factories as factories
+from merlin_t4r_ops.training import DistributedState, Trainer, evaluate, fit, make_loader
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_scripts"))
+from trainer_common import make_args  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("no_launcher_env")
+MAX_LEN = factories.TESTING_MAX_LEN
+SCHEMA = factories.testing_schema()
+four_partitions = factories.testing_dataset
+next_item_model = factories.testing_model
+
+
+def reader_threads(before=()):
+    """Merlin loader threads alive now that were not in ``before``."""
+    return [t for t in threading.enumerate() if "load_chunks" in t.name and t not in before]
+
+
+@pytest.fixture(scope="module")
+def frame():
+    return factories.testing_frame()
+
+
+def test_trainer_max_steps_and_repeated_evaluation_leave_no_reader_thread(frame, tmp_path):
+    before = reader_threads()
+    trainer = Trainer(
+        model=next_item_model(),
+        args=make_args(str(tmp_path), max_sequence_length=MAX_LEN, max_steps=3,
+                       eval_steps_on_train_set=2),
+        strategy="single",
+        schema=SCHEMA,
+        train_dataset_or_path=four_partitions(frame),
+        eval_dataset_or_path=four_partitions(frame),
+        compute_metrics=True,
+    )
+    trainer.train()  # stops after 3 of 63 batches
+    assert reader_threads(before) == []
+    for _ in range(2):
+        trainer.evaluate()
+    trainer.evaluate(four_partitions(frame), metric_key_prefix="train")  # 2 batches of 63
+    assert reader_threads(before) == []
+
+
+def test_fit_probe_and_evaluate_leave_no_reader_thread(frame, tmp_path):
+    before = reader_threads()
+    # A real gloo group of one rank, so that fit runs its unused-parameter probe (DDP only).
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        state = DistributedState("ddp", 0, 0, 1, torch.device("cpu"), "one gloo rank")
+        model = next_item_model()
+        fit(model, four_partitions(frame), eval_data=four_partitions(frame), epochs=1,
+            batch_size=128, strategy=state, seed=0, progress=False)
+        assert reader_threads(before) == []
+        for _ in range(2):
+            evaluate(model, four_partitions(frame), strategy=state, batch_size=128)
+        assert reader_threads(before) == []
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_abandoned_pass_ends_its_thread_when_closed_or_collected(frame):
+    state = DistributedState("single", 0, 0, 1, torch.device("cpu"), "test")
+    loader = make_loader(four_partitions(frame), next_item_model(), state, batch_size=16)
+    before = reader_threads()
+    with iter(loader) as batches:
+        next(batches)
+        assert len(reader_threads(before)) == 1
+    assert reader_threads(before) == []
+
+    batches = iter(loader)
+    next(batches)
+    del batches  # garbage-collected: closed too
+    assert reader_threads(before) == []
+
+    batches = iter(loader)
+    next(batches)
+    loader.close()  # every open pass of the loader
+    assert reader_threads(before) == [] and next(batches, None) is None
