@@ -75,7 +75,7 @@ def run_tests(root: Path, test_files: List[str], trainer: str, workdir: Path) ->
         sys.executable, "-m", "pytest", *[str(root / f) for f in test_files],
         f"--rootdir={root}", "-p", "t4r_trainer_swap", f"--trainer={trainer}",
         f"--trainer-record={record}", f"--junitxml={junit}", "-p", "no:cacheprovider",
-        "-q", "-rfE", "--durations=5", "-o", "timeout=300",
+        "-q", "-rfE", "--durations=5", "-o", "timeout=900",
     ]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
