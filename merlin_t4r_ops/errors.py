@@ -11,6 +11,7 @@ __all__ = [
     "SessionLengthError",
     "SchemaMismatchError",
     "StrategyError",
+    "MissingSchemaError",
     "ServerStartError",
     "ExposedServerWarning",
     "AmbiguousFillerWarning",
@@ -43,6 +44,10 @@ class SchemaMismatchError(T4ROpsError, ValueError):
 
 class StrategyError(T4ROpsError, RuntimeError):
     """A training strategy was asked for where it cannot run."""
+
+
+class MissingSchemaError(T4ROpsError, AssertionError):
+    """The ``Trainer`` has no schema to build a dataloader from (T4R asserts it, hence the base)."""
 
 
 class ServerStartError(T4ROpsError, RuntimeError):

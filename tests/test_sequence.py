@@ -129,13 +129,14 @@ def test_right_padded_fixed_width_lists_are_cropped_alike_in_the_loader_and_the_
         assert served[name].tolist() == expected, f"operator, {name}"
 
 
-def test_trainer_refuses_the_pyarrow_loader_which_keeps_the_oldest_items(long_sessions, tmp_path):
+def test_trainer_with_the_pyarrow_engine_keeps_the_most_recent_items(long_sessions, tmp_path):
+    """T4R's pyarrow loader keeps a long session's oldest items; the engine reads through ours."""
     args = make_args(str(tmp_path), max_sequence_length=WIDTH, data_loader_engine="pyarrow")
     trainer = Trainer(model=long_sessions["model"], args=args, strategy="single",
                       schema=long_sessions["schema"], eval_dataset_or_path=long_sessions["files"])
-    with pytest.raises(ValueError, match=r"data_loader_engine='pyarrow' crops sessions .* "
-                                         r"keeping the oldest items; .* supports 'merlin' only"):
-        trainer.get_eval_dataloader()
+    batch, _ = next(iter(trainer.get_eval_dataloader()))
+    for name in ("item_id-list", "category-list"):
+        assert batch[name].tolist() == _most_recent(long_sessions["df"][name], WIDTH), name
 
 
 def test_crop_and_pad_gives_torch_for_torch_and_numpy_for_numpy():

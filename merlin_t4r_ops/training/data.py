@@ -24,6 +24,7 @@ tensors are what ``DataParallel`` can scatter along the batch dimension
 
 import bisect
 import contextlib
+import dataclasses
 import glob
 import itertools
 import os
@@ -51,14 +52,25 @@ DP_NEEDS_WIDTH = (
 
 
 def model_columns(model):
-    """``(input_names, target_names)`` a T4R model reads from a batch."""
+    """``(input_names, target_names)`` a T4R model reads from a batch.
+
+    Targets are the columns its tasks name. A T4R model's input schema is the
+    whole schema it was built from, targets included (``click`` beside the
+    features in T4R's ``music_streaming`` data); as in T4R's loader, no column
+    tagged TARGET there, nor any task's target, is an input.
+    """
+    from merlin.schema import Tags
+
     model = unwrap_model(model)
-    inputs = list(model.input_schema.column_names)
     targets = []
     for _, task in prediction_tasks(model):
         name = getattr(task, "target_name", None)
         if name and name not in targets:
             targets.append(name)
+    schema = model.input_schema
+    inputs = [
+        c.name for c in schema if Tags.TARGET not in c.tags and c.name not in targets
+    ]
     return inputs, targets
 
 
@@ -156,6 +168,13 @@ def shard_rows(
         pieces.append((order[index], offset - first_row, offset - first_row + take))
         position += take
     return pieces
+
+
+def _without_target_tag(column):
+    """``column`` without Tags.TARGET (merlin-core 23.08's ColumnSchema can only add tags)."""
+    from merlin.schema import Tags
+
+    return dataclasses.replace(column, tags=column.tags - [Tags.TARGET], dims=column.shape.dims)
 
 
 def _take_rows(frame, rows):
@@ -307,7 +326,8 @@ class ShardedLoader:
             schema[name] = schema[name].with_tags(Tags.TARGET)
         for name in input_names:
             if Tags.TARGET in schema[name].tags:
-                schema[name] = schema[name].without_tags(Tags.TARGET)
+                # A model feature that the data tags as a target stays a feature.
+                schema[name] = _without_target_tag(schema[name])
         self.dataset = dataset
         self.schema = schema
         self.state = state

@@ -43,10 +43,9 @@ from transformers.training_args import ParallelMode
 from transformers4rec.config.trainer import T4RecTrainingArguments
 from transformers4rec.torch import Trainer as T4RTrainer
 from transformers4rec.torch.model.prediction_task import NextItemPredictionTask
-from transformers4rec.torch.utils.data_utils import MerlinDataLoader, T4RecDataLoader
 from transformers4rec.torch.utils.torch_utils import nested_detach
 
-from merlin_t4r_ops.errors import StrategyError
+from merlin_t4r_ops.errors import MissingSchemaError, StrategyError
 from merlin_t4r_ops.sequence import resolve_sequence_length
 from merlin_t4r_ops.training.data import (
     DP_NEEDS_WIDTH,
@@ -74,6 +73,14 @@ from merlin_t4r_ops.training.resume import (
 from merlin_t4r_ops.training.state import DistributedState, resolve_strategy, unwrap_model
 
 __all__ = ["Trainer"]
+
+# T4R's checks before it builds a loader, with its messages, which its callers match:
+# split -> (ValueError message when no dataset is given, or None; name in the schema assertion).
+_T4R_LOADER_CHECKS = {
+    "train": (None, "Train"),
+    "eval": ("Trainer: evaluation requires an eval_dataset.", "Eval"),
+    "test": ("Trainer: test requires an test_dataset.", "Test"),
+}
 
 
 class Trainer(T4RTrainer):
@@ -136,16 +143,19 @@ class Trainer(T4RTrainer):
 
     # ---- data -----------------------------------------------------------------------------
 
-    def _merlin_loader(self, path, batch_size: int, train: bool) -> ShardedLoader:
+    def _merlin_loader(self, path, batch_size: int, split: str) -> ShardedLoader:
+        # Every data_loader_engine ("pyarrow" too) reads through the ShardedLoader: T4R's
+        # pyarrow dataset would crop sessions to their oldest items, not the most recent
+        # ones that the operator serves.
+        no_data, loader_name = _T4R_LOADER_CHECKS[split]
+        if path is None and no_data:
+            raise ValueError(no_data)
         if self.schema is None:
-            raise ValueError("schema is required to build a Merlin dataloader; pass schema=...")
-        if path is None:
-            raise ValueError("a dataset path (or Merlin Dataset) is required; got None")
-        if not issubclass(T4RecDataLoader.parse(self.args.data_loader_engine), MerlinDataLoader):
-            raise ValueError(
-                f"data_loader_engine={self.args.data_loader_engine!r} crops sessions inside "
-                "T4R's dataset, keeping the oldest items; this Trainer supports 'merlin' only"
+            raise MissingSchemaError(
+                f"schema is required to generate {loader_name} Dataloader; pass schema=..."
             )
+        if path is None:
+            raise ValueError(f"a {split} dataset path (or Merlin Dataset) is required; got None")
         width = resolve_sequence_length(
             unwrap_model(self.model), requested=self.args.max_sequence_length,
             required_for=DP_NEEDS_WIDTH if self.dist_state.strategy == "dp" else None,
@@ -158,11 +168,11 @@ class Trainer(T4RTrainer):
             inputs,
             targets,
             max_sequence_length=width,  # cropped and padded as the operator serves
-            shuffle=train,
+            shuffle=split == "train",
             seed=self.args.seed,
             drop_last=self.args.dataloader_drop_last,
             # Every optimizer step is a collective: ranks need equal batch counts.
-            equal_shards=train,
+            equal_shards=split == "train",
         )
         self._loaders.add(loader)
         return loader
@@ -194,7 +204,7 @@ class Trainer(T4RTrainer):
         if self.train_dataloader is not None:
             return self.train_dataloader
         # train_batch_size is per_device_train_batch_size x GPUs under DataParallel (HF's meaning).
-        loader = self._merlin_loader(self.train_dataset_or_path, self.args.train_batch_size, True)
+        loader = self._merlin_loader(self.train_dataset_or_path, self.args.train_batch_size, "train")
         if self._resume_from is not None:
             place_loader(loader, self._resume_from, self.args.gradient_accumulation_steps)
         return loader
@@ -208,14 +218,14 @@ class Trainer(T4RTrainer):
         if self.eval_dataloader is not None:
             return self.eval_dataloader
         path = eval_dataset if eval_dataset is not None else self.eval_dataset_or_path
-        return self._merlin_loader(path, self.args.eval_batch_size, False)
+        return self._merlin_loader(path, self.args.eval_batch_size, "eval")
 
     def get_test_dataloader(self, test_dataset=None):
         """Test loader sharded by global rank."""
         if self.test_dataloader is not None:
             return self.test_dataloader
         path = test_dataset if test_dataset is not None else self.test_dataset_or_path
-        return self._merlin_loader(path, self.args.eval_batch_size, False)
+        return self._merlin_loader(path, self.args.eval_batch_size, "test")
 
     def num_examples(self, dataloader) -> int:
         """Batches times batch size, as T4R estimates it (for Hugging Face's logs)."""
