@@ -58,7 +58,8 @@ def session_workflow(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def model_repository(tmp_path_factory, served_models, session_workflow):
-    """Each model exported as its own ensemble, plus three with a workflow in front.
+    """Each model exported as its own ensemble, plus three with a workflow in front, and
+    ``two_top_ks``: two top-k's of the ``next_item_topk`` model, side by side.
 
     ``next_item_full`` is exported with :class:`TritonRuntime`, the others as Merlin exports.
 
@@ -91,6 +92,8 @@ def model_repository(tmp_path_factory, served_models, session_workflow):
     )
     factories.seen_and_plain_ensemble(workflow, workflow_model, MASKED_TOP_K,
                                       decode=True).export(str(path), name="session_decoded")
+    # Two operators over one model object: a top-20 (a_) and a top-5 (b_).
+    factories.two_top_ks_ensemble(top1).export(str(path), name="two_top_ks")
     batching = BatchingTritonRuntime(max_queue_delay_us=BATCH_DELAY_US)
     model = served_models["next_item_full"]
     Ensemble(model.input_schema.column_names >> PredictT4RPyTorch(model),

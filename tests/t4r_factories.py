@@ -193,6 +193,21 @@ def seen_and_plain_ensemble(workflow, model, top_k, decode=False):
     return Ensemble(unseen + everything, workflow.input_schema)
 
 
+def two_top_ks_ensemble(model, top_ks=(20, 5), **op_kwargs):
+    """Sessions >> two top-k's of one model object, side by side: the first as
+    ``a_item_ids``/``a_item_id_scores``, the second with prefix ``b_``; ``op_kwargs`` go to
+    both operators."""
+    from merlin.systems.dag import Ensemble
+
+    from merlin_t4r_ops import PredictT4RPyTorch
+
+    columns = model.input_schema.column_names
+    first, second = (columns >> PredictT4RPyTorch(model, top_k=k, output_prefix=prefix,
+                                                  **op_kwargs)
+                     for k, prefix in zip(top_ks, ("a_", "b_")))
+    return Ensemble(first + second, model.input_schema)
+
+
 def reference_top_k(scores, k: int, reserved=(0,), sessions=None):
     """Top-k built the slow, obvious way: reserved ids and (with ``sessions``) every item
     of each row's whole session set to -inf, one by one, then ``torch.topk``.

@@ -254,6 +254,29 @@ def test_the_triton_load_path_captures(tmp_path, caplog):
     assert_same_top_k(op.predict(table), eager.predict(table))
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_two_operators_over_one_loaded_model_replay_their_own_graphs(tmp_path):
+    """One model loaded once behind a top-20 and a top-5: each captures its own graphs, over
+    the same parameters, and answers as eager, in any order."""
+    from merlin.dag import postorder_iter_nodes
+
+    model = factories.next_item_model("gpt2", seed=10)
+    factories.two_top_ks_ensemble(model, device="cuda", cuda_graph_buckets=(1, 8)).export(
+        str(tmp_path))
+    loaded = factories.load_exported(tmp_path / "executor_model" / "1" / "ensemble")
+    ops = [node.op for node in postorder_iter_nodes(loaded.graph.output_node)
+           if isinstance(node.op, PredictT4RPyTorch)]
+    assert ops[0].model is ops[1].model and ops[0]._graphs is not ops[1]._graphs
+    assert all(op._graphs.covered == (1, 8) for op in ops)
+    for seed in (1, 2, 3):
+        table = _requests(6, seed=seed)["ragged"]
+        for op in ops:
+            eager = PredictT4RPyTorch(op.model, top_k=op.top_k, cuda_graph_buckets=None)
+            got = {name[2:]: value for name, value in op.predict(table).items()}
+            assert_same_top_k(got, eager.predict(table))
+
+
 def test_the_load_report_reaches_the_triton_log(triton):
     """The stub drops Python's INFO logging; the report goes through Triton's own logger."""
     import re

@@ -10,6 +10,7 @@ import cloudpickle
 import numpy as np
 import pytest
 import torch
+from merlin.dag import postorder_iter_nodes
 from merlin.systems.dag import Ensemble
 from merlin.table import TensorTable
 
@@ -225,6 +226,48 @@ def test_an_export_removes_nothing_it_did_not_write(tmp_path):
     kept = sorted(p.name for p in (ensemble_dir / old._artifact_dir).iterdir())
     assert kept == ["README"]  # our files went, the stranger's stayed
     assert new._artifact_dir in _folders(tmp_path)
+
+
+# -- one model object behind two operators: written once, loaded once -------------------------
+
+def _weights_files(repo):
+    return list(_ensemble_dir(repo).rglob("weights.pt"))
+
+
+def test_one_model_behind_two_operators_is_written_once(tmp_path):
+    model = factories.next_item_model("gpt2", seed=81)
+    factories.two_top_ks_ensemble(model).export(str(tmp_path / "one"))
+    assert len(_weights_files(tmp_path / "one")) == 1
+
+    other = factories.next_item_model("gpt2", seed=82)
+    columns = model.input_schema.column_names
+    two_models = ((columns >> PredictT4RPyTorch(model, top_k=20, output_prefix="a_"))
+                  + (columns >> PredictT4RPyTorch(other, top_k=5, output_prefix="b_")))
+    Ensemble(two_models, model.input_schema).export(str(tmp_path / "two"))
+    assert len(_weights_files(tmp_path / "two")) == 2
+
+    # A re-export into the first directory still replaces the earlier export's folder.
+    factories.two_top_ks_ensemble(other).export(str(tmp_path / "one"))
+    assert len(_weights_files(tmp_path / "one")) == 1
+    assert len(_folders(tmp_path / "one")) == 1
+
+
+def test_one_model_behind_two_operators_is_loaded_once_and_answers_as_eager(tmp_path):
+    model = factories.next_item_model("gpt2", seed=83)
+    factories.two_top_ks_ensemble(model).export(str(tmp_path))
+    loaded = factories.load_exported(_ensemble_dir(tmp_path))  # as Triton's executor does
+
+    ops = [node.op for node in postorder_iter_nodes(loaded.graph.output_node)
+           if isinstance(node.op, PredictT4RPyTorch)]
+    assert len(ops) == 2 and ops[0].model is ops[1].model
+
+    df = factories.random_sessions(9, np.random.default_rng(6))
+    out = loaded.transform(TensorTable.from_df(df))
+    for prefix, k in (("a_", 20), ("b_", 5)):
+        ids, scores = factories.reference_top_k(factories.eager_scores(model, df), k)
+        np.testing.assert_array_equal(np.asarray(out[f"{prefix}item_ids"].values), ids)
+        np.testing.assert_allclose(np.asarray(out[f"{prefix}item_id_scores"].values), scores,
+                                   rtol=1e-6, atol=1e-7)
 
 
 # -- on a real tritonserver ---------------------------------------------------------------------

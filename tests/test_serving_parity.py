@@ -38,6 +38,20 @@ def test_top_k_matches_eager_top_k(client, served_models):
     np.testing.assert_array_equal(ids, expected_ids)
 
 
+def test_two_top_ks_of_one_model_load_it_once_and_answer_as_eager(
+        triton, client, served_models, model_repository):
+    df = _sessions(12, seed=6)
+    served = infer_dataframe(client, df, model_name="two_top_ks")
+    scores = factories.eager_scores(served_models["next_item_topk"], df)
+    for prefix, k in (("a_", 20), ("b_", 5)):
+        ids, top = factories.reference_top_k(scores, k)
+        np.testing.assert_array_equal(np.stack(served[f"{prefix}item_ids"].to_list()), ids)
+        np.testing.assert_allclose(np.stack(served[f"{prefix}item_id_scores"].to_list()), top,
+                                   rtol=RTOL, atol=ATOL)
+    [folder] = (model_repository / "two_top_ks" / "1" / "ensemble").glob("t4r_model_*")
+    assert f"shares the model of {folder.name} already loaded" in triton.logs()
+
+
 def test_top_k_is_declared_in_the_served_config(client):
     outputs = {o["name"]: o for o in
                client.get_model_metadata("next_item_topk", as_json=True)["outputs"]}

@@ -9,6 +9,10 @@ and removes every other folder this package wrote there (``t4r_model_<12 hex>`` 
 ``manifest.json``), file by file: nothing else in the directory is touched, not even a
 stranger's file inside one of our folders. Called outside an export (``save_artifacts``
 by hand), it removes nothing.
+
+Operators over one model share one folder (:mod:`~merlin_t4r_ops.ops.shared_model`); the
+first of them in the graph writes it, and :func:`saved_by_an_earlier_operator` tells the
+others.
 """
 
 import contextlib
@@ -17,7 +21,7 @@ import json
 import re
 import uuid
 from pathlib import Path
-from typing import Iterator, Optional, Set
+from typing import Iterator, List, Optional
 
 from merlin.dag import postorder_iter_nodes
 from merlin.systems.dag import Ensemble
@@ -25,7 +29,8 @@ from merlin.systems.dag import Ensemble
 from merlin_t4r_ops.ops.artifacts import MANIFEST_NAME, MODEL_FILES
 from merlin_t4r_ops.ops.vocabulary import VOCABULARY_FILES
 
-__all__ = ["new_folder_name", "replacing_earlier_exports", "MODEL_PREFIX", "VOCABULARY_PREFIX"]
+__all__ = ["new_folder_name", "replacing_earlier_exports", "saved_by_an_earlier_operator",
+           "MODEL_PREFIX", "VOCABULARY_PREFIX"]
 
 MODEL_PREFIX = "t4r_model_"
 VOCABULARY_PREFIX = "item_vocabulary_"
@@ -42,8 +47,9 @@ def new_folder_name(prefix: str = MODEL_PREFIX) -> str:
     return f"{prefix}{uuid.uuid4().hex[:12]}"
 
 
-def _folders_of_the_graph(name: str) -> Optional[Set[str]]:
-    """The artifact folders of every operator of the ensemble being exported, or ``None``.
+def _operators_of_the_graph(name: str) -> Optional[List]:
+    """The operators of the ensemble being exported, in the order its runtime saves them
+    (postorder), or ``None``.
 
     ``Ensemble.export`` and every runtime's ``export`` hold the ``ensemble`` in their frame;
     the graph found must hold the operator that saves into ``name``.
@@ -57,12 +63,27 @@ def _folders_of_the_graph(name: str) -> Optional[Set[str]]:
             ensemble = frame.f_locals.get("ensemble")
             if isinstance(ensemble, Ensemble):
                 nodes = postorder_iter_nodes(ensemble.graph.output_node, flatten_subgraphs=True)
-                folders = {getattr(node.op, "_artifact_dir", None) for node in nodes} - {None}
-                if name in folders:
-                    return folders
+                operators = [node.op for node in nodes]
+                if name in {_folder_of(op) for op in operators}:
+                    return operators
         return None
     finally:
         del frame  # frames hold references to their locals
+
+
+def _folder_of(operator) -> Optional[str]:
+    return getattr(operator, "_artifact_dir", None)
+
+
+def saved_by_an_earlier_operator(operator) -> bool:
+    """Whether an operator before ``operator`` in the ensemble being exported saves the same
+    folder (operators over one model share it): then ``operator`` writes nothing.
+
+    ``False`` outside an export, and for the first operator of the folder.
+    """
+    name = _folder_of(operator)
+    sharing = [op for op in _operators_of_the_graph(name) or () if _folder_of(op) == name]
+    return any(op is operator for op in sharing) and sharing[0] is not operator
 
 
 def _is_ours(folder: Path) -> bool:
@@ -94,7 +115,8 @@ def replacing_earlier_exports(artifact_path, name: str) -> Iterator[Path]:
     artifact_path = Path(artifact_path)
     folder = artifact_path / name
     yield folder
-    keep = _folders_of_the_graph(name)
+    operators = _operators_of_the_graph(name)
+    keep = None if operators is None else {_folder_of(op) for op in operators} - {None}
     (folder / _STAMP).write_text(json.dumps({"export": sorted(keep or [name])}))
     if keep is None:
         return

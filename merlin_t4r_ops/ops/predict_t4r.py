@@ -1,9 +1,6 @@
 """``PredictT4RPyTorch``: run a Transformers4Rec model in eager PyTorch inside a Merlin graph."""
 
 import copy
-import threading
-import weakref
-from pathlib import Path
 from typing import Dict, Optional, Sequence
 
 import numpy as np
@@ -14,17 +11,19 @@ from merlin.schema import ColumnSchema, Schema, Tags
 from merlin.table import TensorTable
 from merlin_t4r_ops.arguments import is_positive_int
 from merlin_t4r_ops.errors import SchemaMismatchError, T4ROpsError
-from merlin_t4r_ops.ops.artifacts import load_model, save_model
+from merlin_t4r_ops.ops.artifacts import save_model
 from merlin_t4r_ops.ops.collisions import calling_node, refuse_colliding_outputs
 from merlin_t4r_ops.ops.cuda_graphs import (
     DEFAULT_BUCKETS, CudaGraphBuckets, check_buckets, example_request, log_load)
 from merlin_t4r_ops.ops.device import make_current, resolve_device
-from merlin_t4r_ops.ops.export_folders import new_folder_name, replacing_earlier_exports
+from merlin_t4r_ops.ops.export_folders import (
+    replacing_earlier_exports, saved_by_an_earlier_operator)
 from merlin_t4r_ops.ops.inputs import input_specs, to_model_inputs
 from merlin_t4r_ops.ops.masking import (
     mask_scores, reserved_item_ids, seen_items, seen_matrix, top_k_unmasked,
 )
 from merlin_t4r_ops.ops.model_block import check_columns_against_model, embedding_rows
+from merlin_t4r_ops.ops.shared_model import shared_model
 from merlin_t4r_ops.ops.skeleton import holds_any
 from merlin_t4r_ops.sequence import resolve_sequence_length
 from merlin_t4r_ops.wrappers import unwrap_model
@@ -38,19 +37,6 @@ TOP_K_SCORES = "item_id_scores"
 # session's older items are masked after the replay.
 _SEEN, _SCORES = "__seen__", "__scores__"
 SEEN_IN_GRAPH = 128
-
-
-# T4R keeps per-call state on the model's modules, so every operator over one model must
-# take the same lock; keyed weakly, so that the lock goes with the model.
-_MODEL_LOCKS: "weakref.WeakKeyDictionary[torch.nn.Module, threading.Lock]" = (
-    weakref.WeakKeyDictionary())
-_MODEL_LOCKS_GUARD = threading.Lock()
-
-
-def model_lock(model: torch.nn.Module) -> threading.Lock:
-    """The one lock that every operator over ``model`` (unwrapped) calls it under."""
-    with _MODEL_LOCKS_GUARD:
-        return _MODEL_LOCKS.setdefault(model, threading.Lock())
 
 
 def _without_top_k(model: torch.nn.Module) -> torch.nn.Module:
@@ -131,7 +117,9 @@ class PredictT4RPyTorch(BaseOperator):
     Calls are safe from several threads (``Ensemble.transform`` behind a threaded web
     server): T4R keeps per-call tensors on its modules, so the forward pass, the masking
     and the top-k of one call run under a lock of the model's, which every operator over
-    the same model shares: one call at a time.
+    the same model shares: one call at a time. Those operators share the model's artifacts
+    too: an export writes them once, and a loaded ensemble loads them once, into one module
+    that all of them run (each with its own CUDA graphs).
 
     Examples
     --------
@@ -166,7 +154,8 @@ class PredictT4RPyTorch(BaseOperator):
         if not isinstance(output_prefix, str):
             raise T4ROpsError(f"output_prefix must be a str, got {output_prefix!r}")
         self.model = _without_top_k(model)
-        self._lock = model_lock(model)
+        # One lock, one artifact folder and one load for every operator over this model.
+        self._shared = shared_model(model)
         # Copies, so that building the op never changes the caller's schemas.
         self._input_schema = Schema(list(
             (input_schema if input_schema is not None else self.model.input_schema)
@@ -185,7 +174,7 @@ class PredictT4RPyTorch(BaseOperator):
         )
         self.requested_device = None if device is None else str(device)
         self._specs = input_specs(self._input_schema, self._embedding_rows)
-        self._artifact_dir = new_folder_name()
+        self._artifact_dir = self._shared.folder
         self.cuda_graph_buckets = check_buckets(cuda_graph_buckets)
 
     # -- graph contract ------------------------------------------------------------------
@@ -361,30 +350,34 @@ class PredictT4RPyTorch(BaseOperator):
         # ensemble.pkl holds no model and no tensor: not the weights (the eval cache holds
         # the model too), and not a request's data that a cache of this op may keep.
         kept_out = (torch.nn.Module, torch.Tensor, np.ndarray)
-        state = {
-            name: None if holds_any(value, kept_out) else value
-            for name, value in self.__dict__.items()
-            if name != "_lock"  # locks do not pickle; each copy gets its own
-        }
+        # The operators over one model pickle one SharedModel (pickle keeps shared objects
+        # shared), so that they load one model again.
+        state = {name: None if holds_any(value, kept_out) else value
+                 for name, value in self.__dict__.items()}
         state.pop("_graphs", None)  # CUDA graphs: captured again at load
         return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._lock = threading.Lock()  # the loaded model is this op's own
 
     def save_artifacts(self, artifact_path=None) -> None:
         """Write the model's weights, structure and checksums under ``artifact_path``.
 
         Replaces the folders an earlier export of this package left there, and nothing else.
+        Of several operators over one model in the exported ensemble, the first writes
+        their one folder and the others nothing.
         """
         if artifact_path is None:
             raise T4ROpsError("save_artifacts needs artifact_path, got None")
+        if saved_by_an_earlier_operator(self):
+            return
         with replacing_earlier_exports(artifact_path, self._artifact_dir) as folder:
             save_model(self.model, folder)
+        self._shared.saved()
 
     def load_artifacts(self, artifact_path=None) -> None:
-        """Verify and load the model saved by :meth:`save_artifacts`, on the instance's device."""
+        """Verify and load the model saved by :meth:`save_artifacts`, on the instance's device.
+
+        Operators over one model, loaded from one ``ensemble.pkl``, load it once and run the
+        same module.
+        """
         if not artifact_path:
             # merlin.dag.Graph calls load_artifacts("") while it is built in-process,
             # where the op still holds the user's model.
@@ -393,7 +386,7 @@ class PredictT4RPyTorch(BaseOperator):
             return
         device = resolve_device(self.requested_device)
         make_current(device)  # before anything touches CUDA, or GPU 0 gets a context too
-        self.model = load_model(Path(artifact_path) / self._artifact_dir, device)
+        self.model = self._shared.load(artifact_path, device)
         self._capture_graphs()
 
     # -- inference -----------------------------------------------------------------------
@@ -423,7 +416,7 @@ class PredictT4RPyTorch(BaseOperator):
             table, self._specs, self.max_sequence_length, torch.device("cpu"))
         # T4R keeps per-call tensors on its modules (the item sequence, the masking
         # schema), and a CUDA graph replays from static buffers: one call at a time.
-        with self._lock, torch.inference_mode():
+        with self._shared.lock, torch.inference_mode():
             outputs = self._run(inputs, table)
         return {name: value.cpu().numpy() for name, value in outputs.items()}
 
