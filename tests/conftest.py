@@ -41,6 +41,8 @@ MASKED_TOP_K = 100  # wide enough that an untrained model ranks reserved ids ins
 BATCHED_MODEL, BATCHED_WORKFLOW = "next_item_batched", "session_topk_batched"
 # Long enough that concurrent test clients land in one execute call on a loaded CI machine.
 BATCH_DELAY_US = 5000
+# ``session_decoded`` exported with TritonRuntime: the workflow through its fast path.
+FAST_DECODED = "session_decoded_fast"
 
 
 @pytest.fixture(scope="session")
@@ -66,7 +68,7 @@ def model_repository(tmp_path_factory, served_models, session_workflow):
     from merlin.systems.dag import Ensemble
 
     from merlin_t4r_ops import PredictT4RPyTorch
-    from merlin_t4r_ops.runtime import BatchingTritonRuntime
+    from merlin_t4r_ops.runtime import BatchingTritonRuntime, TritonRuntime
 
     path = tmp_path_factory.mktemp("model_repository")
     for name, model in served_models.items():
@@ -84,6 +86,9 @@ def model_repository(tmp_path_factory, served_models, session_workflow):
     )
     factories.seen_and_plain_ensemble(workflow, workflow_model, MASKED_TOP_K,
                                       decode=True).export(str(path), name="session_decoded")
+    # The same through the workflow fast path, inside the executor (no workflow model of its own).
+    factories.seen_and_plain_ensemble(workflow, workflow_model, MASKED_TOP_K, decode=True).export(
+        str(path), name=FAST_DECODED, runtime=TritonRuntime())
     batching = BatchingTritonRuntime(max_queue_delay_us=BATCH_DELAY_US)
     model = served_models["next_item_full"]
     Ensemble(model.input_schema.column_names >> PredictT4RPyTorch(model),
