@@ -35,11 +35,13 @@ def _sessions(n, rng, string_ids, vocabulary=300):
         "price-list": [rng.random(length).astype(np.float32) for length in lengths],
         "shop": shops,
         "region": rng.integers(0, 30, size=n).astype(np.int32),
+        "age": rng.uniform(10.0, 80.0, size=n).astype(np.float32),
     })
 
 
 def _fit(directory, rng, string_ids, **categorify):
-    """Categorify of list and scalar ids, ListSlice, Rename, AddTags/TagAs*, ValueCount."""
+    """Categorify of list and scalar ids, ListSlice, Rename, AddTags/TagAs*, ValueCount,
+    LogOp and Normalize on a continuous list and a scalar."""
     import nvtabular as nvt
     from merlin.io import Dataset
 
@@ -49,10 +51,12 @@ def _fit(directory, rng, string_ids, **categorify):
     items = (["item_id-list"] >> nvt.ops.ListSlice(-20) >> nvt.ops.Categorify(**cat)
              >> nvt.ops.TagAsItemID() >> nvt.ops.AddTags([Tags.CATEGORICAL, Tags.LIST])
              >> nvt.ops.ValueCount())
-    prices = ["price-list"] >> nvt.ops.ListSlice(1, 11) >> nvt.ops.AddMetadata(tags=[Tags.LIST])
+    prices = (["price-list"] >> nvt.ops.ListSlice(1, 11) >> nvt.ops.LogOp()
+              >> nvt.ops.Normalize() >> nvt.ops.AddMetadata(tags=[Tags.LIST]))
+    age = ["age"] >> nvt.ops.Normalize() >> nvt.ops.Rename(postfix="_norm")
     shop = ["shop"] >> nvt.ops.Categorify(**cat) >> nvt.ops.Rename(name="shop_id")
     region = ["region"] >> nvt.ops.Categorify(**cat) >> nvt.ops.Rename(postfix="_code")
-    workflow = nvt.Workflow(items + prices + shop + region)
+    workflow = nvt.Workflow(items + prices + shop + region + age)
     with cpu_datasets_quiet():
         # Fit on part of the ids, so that requests carry unknown ones.
         workflow.fit(Dataset(_sessions(500, rng, string_ids, vocabulary=150), npartitions=1))

@@ -23,8 +23,13 @@ class _ArrayTwin(BaseOperator):
     def supported_formats(self) -> DataFormats:
         return DataFormats.NUMPY_TENSOR_TABLE
 
+    # Whether the NVTabular op returns the other columns of its input beside the ones it
+    # transforms (Categorify, LogOp) or those alone (ListSlice, Normalize): what a node
+    # returns decides what its children merge.
+    keeps_other_columns = True
+
     def transform(self, col_selector: ColumnSelector, table: TensorTable) -> TensorTable:
-        columns = dict(table.items())
+        columns = dict(table.items()) if self.keeps_other_columns else {}
         for name in col_selector.names:
             columns[name] = self.column(name, table[name])
         return TensorTable(columns, _unsafe=True)
@@ -98,6 +103,8 @@ def _vocabulary(op, name):
 class ListSliceArrays(_ArrayTwin):
     """``ListSlice(start, end)`` without padding: Python's slice of every row, by offsets."""
 
+    keeps_other_columns = False
+
     def column(self, name, column):
         offsets = np.asarray(column.offsets).astype(np.int64)
         lengths = np.diff(offsets)
@@ -117,3 +124,24 @@ def _slice_bound(bound, lengths):
     if bound < 0:
         return np.maximum(lengths + bound, 0)
     return np.minimum(bound, lengths)
+
+
+class LogOpArrays(_ArrayTwin):
+    """``LogOp``: ``log(x + 1)`` in float32, on scalars and on list values alike."""
+
+    def column(self, name, column):
+        values = np.log(np.asarray(column.values).astype(self.op.output_dtype) + 1)
+        return TensorColumn(values, offsets=column.offsets, _unsafe=True)
+
+
+class NormalizeArrays(_ArrayTwin):
+    """``Normalize``: the fitted mean and standard deviation, NVTabular's arithmetic."""
+
+    keeps_other_columns = False
+
+    def column(self, name, column):
+        values = np.asarray(column.values)
+        mean, std = self.op.means[name], self.op.stds[name]
+        values = (values - mean) / std if std > 0 else values - mean
+        return TensorColumn(values.astype(self.op.output_dtype), offsets=column.offsets,
+                            _unsafe=True)

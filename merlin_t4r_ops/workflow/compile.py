@@ -19,7 +19,12 @@ from merlin.systems.dag.ops.workflow import TransformWorkflow
 from merlin.table import TensorTable
 
 from merlin_t4r_ops.errors import UnservableWorkflowError, WorkflowFallbackWarning
-from merlin_t4r_ops.workflow.arrays import CategorifyArrays, ListSliceArrays
+from merlin_t4r_ops.workflow.arrays import (
+    CategorifyArrays,
+    ListSliceArrays,
+    LogOpArrays,
+    NormalizeArrays,
+)
 
 LOG = logging.getLogger(__name__)
 
@@ -118,6 +123,10 @@ def _twin(node):
     if isinstance(op, nvt.ops.ListSlice) and not op.pad:
         # NVTabular 23.08 does not pad on the CPU (ListSlice appends to a copy it drops).
         return ListSliceArrays(op)
+    if type(op) is nvt.ops.LogOp:
+        return LogOpArrays(op)
+    if type(op) is nvt.ops.Normalize:
+        return NormalizeArrays(op)
     return None
 
 
