@@ -51,8 +51,10 @@ def _fit(directory, rng, string_ids, **categorify):
     items = (["item_id-list"] >> nvt.ops.ListSlice(-20) >> nvt.ops.Categorify(**cat)
              >> nvt.ops.TagAsItemID() >> nvt.ops.AddTags([Tags.CATEGORICAL, Tags.LIST])
              >> nvt.ops.ValueCount())
-    prices = (["price-list"] >> nvt.ops.ListSlice(1, 11) >> nvt.ops.LogOp()
-              >> nvt.ops.Normalize() >> nvt.ops.AddMetadata(tags=[Tags.LIST]))
+    logged = ["price-list"] >> nvt.ops.ListSlice(1, 11) >> nvt.ops.LogOp()
+    # One parent, two children: the normalized prices and the log prices under a new name.
+    prices = logged >> nvt.ops.Normalize() >> nvt.ops.AddMetadata(tags=[Tags.LIST])
+    prices = prices + (logged >> nvt.ops.Rename(postfix="_log"))
     age = ["age"] >> nvt.ops.Normalize() >> nvt.ops.Rename(postfix="_norm")
     shop = ["shop"] >> nvt.ops.Categorify(**cat) >> nvt.ops.Rename(name="shop_id")
     region = ["region"] >> nvt.ops.Categorify(**cat) >> nvt.ops.Rename(postfix="_code")
