@@ -45,12 +45,7 @@ CATEGORIES = 100
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=("xlnet", "gpt2"), default="xlnet")
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=20)
-    p.add_argument("--items", type=int, default=50_000)
-    p.add_argument("--top-k", type=int, default=20)
+    bench.add_model_args(p)
     p.add_argument("--session-len", type=int, default=20, help="longest raw session")
     p.add_argument("--batch-sizes", default="1,64,256")
     p.add_argument("--concurrency", default="1", help="e.g. 1,64 (short on the CPU)")
@@ -150,26 +145,6 @@ def export(workflow, model, args, device, path):
     return ensembles
 
 
-def prepared_calls(name, outputs, arrays, server):
-    """Per-thread callables: one gRPC infer of ``arrays`` (inputs built once) and as_numpy."""
-    import tritonclient.grpc as grpcclient
-
-    from merlin_t4r_ops.serving.client import arrays_to_inputs
-
-    def make():
-        client = server.client()
-        inputs = arrays_to_inputs(arrays, grpcclient)
-        requested = [grpcclient.InferRequestedOutput(o) for o in outputs]
-
-        def call():
-            result = client.infer(name, inputs, outputs=requested)
-            for o in outputs:
-                result.as_numpy(o)
-            return result.get_response().ByteSize()
-        return call
-    return make
-
-
 def p50_ms(fn, repeats):
     fn()
     times = []
@@ -180,21 +155,21 @@ def p50_ms(fn, repeats):
     return 1e3 * float(np.median(times))
 
 
-def in_process_stages(workflow, raw, encoded_table, raw_arrays, ensembles, dtypes, server,
-                      repeats):
+def in_process_stages(workflow, raw, encoded, ensembles, dtypes, server, repeats):
     """p50 ms of each stage of the endpoint, alone, in this process."""
     import tritonclient.grpc as grpcclient
     from merlin.dag import ColumnSelector
     from merlin.systems.dag.ops.workflow import TransformWorkflow
     from merlin.table import TensorTable
 
-    from merlin_t4r_ops.serving.client import dataframe_to_inputs
+    from merlin_t4r_ops.serving.client import dataframe_arrays, dataframe_to_inputs
     from merlin_t4r_ops.workflow import compile_workflow
 
     endpoint = "endpoint" if "endpoint" in ensembles else "endpoint-fast"
     decode_node = ensembles[endpoint].graph.output_node
     decode_op, predict_op = decode_node.op, decode_node.parents[0].op
-    raw_table = TensorTable(raw_arrays)
+    raw_table = TensorTable(dataframe_arrays(raw, dtypes))
+    encoded_table = TensorTable.from_df(encoded)
     everything = ColumnSelector(list(encoded_table.columns))
     top_k = predict_op.transform(everything, encoded_table)
     outputs = ensembles[endpoint].output_schema.column_names
@@ -230,10 +205,8 @@ def server_stages(before, after, models):
 def run(args):
     import torch
 
-    from merlin.table import TensorTable
-
     from merlin_t4r_ops.serving import triton_server
-    from merlin_t4r_ops.serving.client import _input_specs, dataframe_arrays, model_metadata
+    from merlin_t4r_ops.serving.client import _input_specs, model_metadata
     from merlin_t4r_ops.serving.triton_env import stub_threads
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -254,12 +227,10 @@ def run(args):
             for batch in [int(b) for b in args.batch_sizes.split(",")]:
                 raw = raw_sessions(batch, rng, args)
                 encoded = workflow._transform_df(raw)
-                arrays = {path: dataframe_arrays(encoded if path == "model" else raw, specs[path])
-                          for path in args.paths}
-                makers = {path: prepared_calls(PATHS[path],
-                                               ensembles[path].output_schema.column_names,
-                                               arrays[path], server)
-                          for path in args.paths}
+                frames = {path: encoded if path == "model" else raw for path in args.paths}
+                makers = {path: bench.triton_calls(
+                    PATHS[path], ensembles[path].output_schema.column_names, frames[path],
+                    specs[path], server, prepared=True) for path in args.paths}
                 for make in makers.values():  # cold first requests stay out of the statistics
                     call = make()
                     for _ in range(3):
@@ -276,11 +247,9 @@ def run(args):
                         ratios.append((path, batch, concurrency,
                                        cells[path]["p50_ms"] / cells["model"]["p50_ms"]))
                     if concurrency == 1:
-                        stages.append((batch, server_stages(before, after, models),
-                                       in_process_stages(workflow, raw,
-                                                         TensorTable.from_df(encoded),
-                                                         arrays[args.paths[-1]], ensembles,
-                                                         specs[args.paths[-1]], server, 30)))
+                        local = in_process_stages(workflow, raw, encoded, ensembles,
+                                                  specs[args.paths[-1]], server, 30)
+                        stages.append((batch, server_stages(before, after, models), local))
     return device, lines, stages, ratios
 
 

@@ -61,7 +61,8 @@ class CategorifyArrays(_ArrayTwin):
             nulls = pd.isna(values)
             encoded = np.full(len(values), NULL_OFFSET, dtype=np.int64)
             encoded[~nulls] = self._lookup(values[~nulls], sorted_values, ids)
-        elif values.dtype.kind == "f" and sorted_values.dtype.kind != "f" and np.isnan(values).any():
+        elif (values.dtype.kind == "f" and sorted_values.dtype.kind != "f"
+              and np.isnan(values).any()):
             return self._by_nvtabular(name, column)  # NVTabular refuses NaN into int ids
         else:
             encoded = self._lookup(values, sorted_values, ids)
