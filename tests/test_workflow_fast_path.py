@@ -128,7 +128,7 @@ def test_a_workflow_with_an_unknown_op_falls_back_whole_and_says_so(tmp_path):
     with cpu_datasets_quiet():
         workflow.fit(Dataset(df, npartitions=1))
     assert unknown_ops(workflow) == ["Clip"]
-    with pytest.warns(WorkflowFallbackWarning, match=r"the workflow's Clip have no fast path: "
+    with pytest.warns(WorkflowFallbackWarning, match=r"workflow ops without a fast path \(Clip\): "
                                                      r"the whole workflow is served by NVTabular"):
         served = serve_workflow(TransformWorkflow(workflow))
     assert type(served) is TransformWorkflowTriton
@@ -174,3 +174,22 @@ def test_served_top_k_through_the_fast_path_equals_the_nvtabular_path(client, se
     assert set(fast) == set(nvtabular)
     for name in nvtabular:
         np.testing.assert_array_equal(np.stack(fast[name]), np.stack(nvtabular[name]), name)
+
+
+def test_nulls_inside_lists_get_nvtabulars_own_answer(tmp_path):
+    """NVTabular gives a null inside a list the out-of-vocabulary id, not the null id of a
+    null scalar; the fast path hands such a column to the fitted op, and agrees."""
+    import nvtabular as nvt
+    from merlin.io import Dataset
+
+    from merlin_t4r_ops.harmless_warnings import cpu_datasets_quiet
+
+    fit = pd.DataFrame({"tags": [np.array(["a", "b"], dtype=object),
+                                 np.array(["b", "c"], dtype=object)]})
+    workflow = nvt.Workflow(["tags"] >> nvt.ops.Categorify(out_path=str(tmp_path)))
+    with cpu_datasets_quiet():
+        workflow.fit(Dataset(fit, npartitions=1))
+    df = pd.DataFrame({"tags": [np.array(["c", None, "a"], dtype=object),
+                                np.array(["z"], dtype=object),
+                                np.array([None, "b"], dtype=object)]})
+    _assert_identical(_fast(workflow, df), _nvtabular(workflow, df))

@@ -56,7 +56,7 @@ class CategorifyArrays(_ArrayTwin):
         values, offsets = np.asarray(column.values), column.offsets
         sorted_values, ids = self.vocabularies[name]
         if values.dtype.kind == "O" and pd.isna(values).any():
-            if offsets is not None:  # nulls inside lists: NVTabular's own, quirky, rule
+            if offsets is not None:  # nulls inside lists: NVTabular's own rule (not 1)
                 return self._by_nvtabular(name, column)
             nulls = pd.isna(values)
             encoded = np.full(len(values), NULL_OFFSET, dtype=np.int64)

@@ -108,8 +108,8 @@ def serve_workflow(op: TransformWorkflow):
     unknown = unknown_ops(op.workflow)
     if not unknown:
         return compile_workflow(op)
-    message = (f"the workflow's {', '.join(sorted(set(unknown)))} have no fast path: the whole "
-               "workflow is served by NVTabular (TransformWorkflowTriton)")
+    message = (f"workflow ops without a fast path ({', '.join(sorted(set(unknown)))}): the "
+               "whole workflow is served by NVTabular (TransformWorkflowTriton)")
     LOG.warning(message)
     warnings.warn(message, WorkflowFallbackWarning, stacklevel=2)
     return TransformWorkflowTriton(op)
