@@ -49,21 +49,24 @@ def parse_args(argv=None):
     p.add_argument("--session-len", type=int, default=20, help="longest raw session")
     p.add_argument("--batch-sizes", default="1,64,256")
     p.add_argument("--concurrency", default="1", help="e.g. 1,64 (short on the CPU)")
-    p.add_argument("--requests", type=int, default=200, help="most requests per cell and path")
+    p.add_argument("--requests", type=int, default=None,
+                   help="most requests per cell and path (200; 60 with --quick)")
     p.add_argument("--seconds", type=float, default=6.0, help="most seconds per cell and path")
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=None, help="4; 2 with --quick")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--buckets", default="1,2,4,8,16,32,64,128,256",
                    help="CUDA-graph buckets of the operator on cuda")
     p.add_argument("--quick", action="store_true",
-                   help="5k items, 60 requests and 2 rounds per cell")
+                   help="5k items; 60 requests and 2 rounds per cell unless given")
     p.add_argument("--paths", default=",".join(PATHS),
                    help="model is always measured; endpoint-fast needs merlin_t4r_ops.workflow")
     p.add_argument("--output", default=None, help="write the printed text here too")
     args = p.parse_args(argv)
     if args.quick:
-        args.items, args.requests, args.rounds = 5_000, 60, 2
+        args.items = 5_000
+    args.requests = args.requests or (60 if args.quick else 200)
+    args.rounds = args.rounds or (2 if args.quick else 4)
     args.buckets = tuple(int(b) for b in args.buckets.split(",") if b)
     args.paths = ["model"] + [p for p in args.paths.split(",") if p and p != "model"]
     unknown = set(args.paths) - set(PATHS)
