@@ -193,3 +193,23 @@ def test_nulls_inside_lists_get_nvtabulars_own_answer(tmp_path):
                                 np.array(["z"], dtype=object),
                                 np.array([None, "b"], dtype=object)]})
     _assert_identical(_fast(workflow, df), _nvtabular(workflow, df))
+
+
+@pytest.mark.parametrize("compile_workflows", [True, False])
+def test_the_runtime_compiles_a_workflow_unless_told_not_to(tmp_path, compile_workflows):
+    import nvtabular as nvt
+    from merlin.io import Dataset
+    from merlin.systems.dag import Ensemble
+    from merlin.systems.dag.ops.workflow import TransformWorkflow
+
+    from merlin_t4r_ops.harmless_warnings import cpu_datasets_quiet
+    from merlin_t4r_ops.runtime import TritonRuntime
+
+    workflow = nvt.Workflow(["item"] >> nvt.ops.Categorify(out_path=str(tmp_path / "cats")))
+    with cpu_datasets_quiet():
+        workflow.fit(Dataset(pd.DataFrame({"item": [3, 5, 5, 9]}), npartitions=1))
+    ensemble = Ensemble(["item"] >> TransformWorkflow(workflow), workflow.input_schema)
+    repository = tmp_path / "repository"
+    ensemble.export(str(repository), runtime=TritonRuntime(compile_workflows=compile_workflows))
+    assert (repository / "0_transformworkflowtriton").exists() is not compile_workflows
+    assert (repository / "executor_model").is_dir()
