@@ -171,6 +171,7 @@ def in_process_stages(workflow, raw, encoded, ensembles, dtypes, server, repeats
     endpoint = "endpoint" if "endpoint" in ensembles else "endpoint-fast"
     decode_node = ensembles[endpoint].graph.output_node
     decode_op, predict_op = decode_node.op, decode_node.parents[0].op
+    alone_op = ensembles["model"].graph.output_node.op
     raw_table = TensorTable(dataframe_arrays(raw, dtypes))
     encoded_table = TensorTable.from_df(encoded)
     everything = ColumnSelector(list(encoded_table.columns))
@@ -187,6 +188,8 @@ def in_process_stages(workflow, raw, encoded, ensembles, dtypes, server, repeats
         stages["workflow, fast path"] = p50_ms(lambda: fast.transform(None, raw_table), repeats)
     return {
         **stages,
+        "model + top-k (the model alone)": p50_ms(
+            lambda: alone_op.transform(everything, encoded_table), repeats),
         "model + mask + top-k": p50_ms(lambda: predict_op.transform(everything, encoded_table),
                                        repeats),
         "decode": p50_ms(lambda: decode_op.transform(ColumnSelector(list(top_k.columns)),
