@@ -86,9 +86,6 @@ def model_repository(tmp_path_factory, served_models, session_workflow):
     )
     factories.seen_and_plain_ensemble(workflow, workflow_model, MASKED_TOP_K,
                                       decode=True).export(str(path), name="session_decoded")
-    # The same through the workflow fast path, inside the executor (no workflow model of its own).
-    factories.seen_and_plain_ensemble(workflow, workflow_model, MASKED_TOP_K, decode=True).export(
-        str(path), name=FAST_DECODED, runtime=TritonRuntime())
     batching = BatchingTritonRuntime(max_queue_delay_us=BATCH_DELAY_US)
     model = served_models["next_item_full"]
     Ensemble(model.input_schema.column_names >> PredictT4RPyTorch(model),
@@ -96,6 +93,9 @@ def model_repository(tmp_path_factory, served_models, session_workflow):
     factories.workflow_ensemble(workflow, workflow_model, top_k=TOP_K).export(
         str(path), name=BATCHED_WORKFLOW, runtime=batching
     )
+    # session_decoded through the workflow fast path, inside the executor (no workflow model).
+    factories.seen_and_plain_ensemble(workflow, workflow_model, MASKED_TOP_K, decode=True).export(
+        str(path), name=FAST_DECODED, runtime=TritonRuntime())
     return path
 
 
