@@ -79,15 +79,20 @@ DECODED_VS_PLAIN = {"triton-decoded": "triton", "triton-decoded-captured": "trit
 CONCURRENT_PATHS = ("eager", "triton", "triton-captured", BATCHED, BATCHED_CAPTURED)
 
 
-def parse_args(argv=None):
-    """Command-line options; ``--quick`` shrinks every size for a smoke run."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_model_args(p):
+    """The model's and the top-k's arguments (``build_model`` reads them)."""
     p.add_argument("--model", choices=("xlnet", "gpt2"), default="xlnet")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=20)
     p.add_argument("--items", type=int, default=50_000)
     p.add_argument("--top-k", type=int, default=20)
+
+
+def parse_args(argv=None):
+    """Command-line options; ``--quick`` shrinks every size for a smoke run."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(p)
     p.add_argument("--session-len", type=int, default=None,
                    help="longest session sent, in items (default --seq-len; beyond max(128, --seq-len), a "
                         "captured exclude_seen masks the older items after the replay)")
@@ -352,11 +357,13 @@ def path_calls(path, df, inputs_dtypes, cpu_inputs, ops, ensembles, server):
                         server, batch_dimension=name.startswith("batched"))
 
 
-def triton_calls(name, outputs, df, inputs_dtypes, server, *, batch_dimension=False):
+def triton_calls(name, outputs, df, inputs_dtypes, server, *, batch_dimension=False,
+                 prepared=False):
     """Per-thread callables sending ``df`` to Triton model ``name``; each returns the size.
 
     ``batch_dimension``: the model was exported with ``BatchingTritonRuntime``, which takes
     each request as one batch entry (a leading dimension of 1 on every tensor).
+    ``prepared``: the inputs are encoded once per thread, not on every call.
     """
     import tritonclient.grpc as grpcclient
 
@@ -366,8 +373,12 @@ def triton_calls(name, outputs, df, inputs_dtypes, server, *, batch_dimension=Fa
         client = server.client()
         requested = [grpcclient.InferRequestedOutput(o) for o in outputs]
 
+        once = (dataframe_to_inputs(df, inputs_dtypes, batch_dimension=batch_dimension)
+                if prepared else None)
+
         def call():
-            inputs = dataframe_to_inputs(df, inputs_dtypes, batch_dimension=batch_dimension)
+            inputs = once or dataframe_to_inputs(df, inputs_dtypes,
+                                                 batch_dimension=batch_dimension)
             result = client.infer(name, inputs, outputs=requested)
             for o in outputs:
                 result.as_numpy(o)

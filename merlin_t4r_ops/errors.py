@@ -15,6 +15,8 @@ __all__ = [
     "ServerStartError",
     "ExposedServerWarning",
     "AmbiguousFillerWarning",
+    "UnservableWorkflowError",
+    "WorkflowFallbackWarning",
 ]
 
 
@@ -60,3 +62,11 @@ class ExposedServerWarning(UserWarning):
 
 class AmbiguousFillerWarning(UserWarning):
     """A raw item id equals the filler that ``DecodeItemIds`` gives an empty top-k slot."""
+
+
+class UnservableWorkflowError(T4ROpsError, ValueError):
+    """A workflow cannot answer a served request row for row (it drops or adds rows)."""
+
+
+class WorkflowFallbackWarning(UserWarning):
+    """A workflow is served by NVTabular, not the fast path; the message names the ops why."""

@@ -41,6 +41,8 @@ MASKED_TOP_K = 100  # wide enough that an untrained model ranks reserved ids ins
 BATCHED_MODEL, BATCHED_WORKFLOW = "next_item_batched", "session_topk_batched"
 # Long enough that concurrent test clients land in one execute call on a loaded CI machine.
 BATCH_DELAY_US = 5000
+# ``session_decoded`` exported with TritonRuntime: the workflow through its fast path.
+FAST_DECODED = "session_decoded_fast"
 
 
 @pytest.fixture(scope="session")
@@ -101,6 +103,9 @@ def model_repository(tmp_path_factory, served_models, session_workflow):
     factories.workflow_ensemble(workflow, workflow_model, top_k=TOP_K).export(
         str(path), name=BATCHED_WORKFLOW, runtime=batching
     )
+    # session_decoded through the workflow fast path, inside the executor (no workflow model).
+    factories.seen_and_plain_ensemble(workflow, workflow_model, MASKED_TOP_K, decode=True).export(
+        str(path), name=FAST_DECODED, runtime=TritonRuntime())
     return path
 
 

@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from google.protobuf import text_format
+from merlin.systems.dag.ops.workflow import TransformWorkflow
 from merlin.systems.dag.runtimes.triton import TritonExecutorRuntime
 
 from merlin_t4r_ops.errors import T4ROpsError
 from merlin_t4r_ops.ops.cuda_graphs import DEFAULT_BUCKETS
 from merlin_t4r_ops.runtime.instances import instance_group
 from merlin_t4r_ops.runtime.rowwise import cross_row_ops
+from merlin_t4r_ops.workflow import serve_workflow
 
 __all__ = ["TritonRuntime", "BatchingTritonRuntime"]
 
@@ -43,6 +45,10 @@ class TritonRuntime(TritonExecutorRuntime):
         Triton's ``KIND_AUTO`` (Merlin's default), ``KIND_CPU`` or ``KIND_GPU``.
     gpus : sequence of int, optional
         Only these GPUs (``instance_kind="gpu"``).
+    compile_workflows : bool
+        Run each ``TransformWorkflow`` inside the executor through the fast path
+        (:mod:`merlin_t4r_ops.workflow`) where all its ops have one; else, and with False,
+        as Merlin does: NVTabular in a Triton model of its own.
 
     Examples
     --------
@@ -50,9 +56,11 @@ class TritonRuntime(TritonExecutorRuntime):
     """
 
     def __init__(self, *, instances: int = 1, instance_kind: str = "auto",
-                 gpus: Optional[Sequence[int]] = None):
+                 gpus: Optional[Sequence[int]] = None, compile_workflows: bool = True):
         super().__init__()
         self.instance_group = instance_group(instances, instance_kind, gpus)
+        if compile_workflows:  # Merlin's hook: a copy of its table, TransformWorkflow remapped
+            self.op_table = {**self.op_table, TransformWorkflow: serve_workflow}
 
     def _executor_model_export(self, path, export_name, ensemble, params=None, node_id=None,
                                version=1):
@@ -104,7 +112,7 @@ class BatchingTritonRuntime(TritonRuntime):
         model was busy, adding no latency when idle.
     preferred_batch_sizes : sequence of int, optional
         Triton's ``preferred_batch_size``, in requests.
-    instances, instance_kind, gpus
+    instances, instance_kind, gpus, compile_workflows
         As for :class:`TritonRuntime`.
 
     Raises
@@ -123,8 +131,10 @@ class BatchingTritonRuntime(TritonRuntime):
     def __init__(self, *, max_batch_size: int = 64, max_batch_rows: int = MAX_BATCH_ROWS,
                  max_queue_delay_us: int = 0,
                  preferred_batch_sizes: Optional[Sequence[int]] = None, instances: int = 1,
-                 instance_kind: str = "auto", gpus: Optional[Sequence[int]] = None):
-        super().__init__(instances=instances, instance_kind=instance_kind, gpus=gpus)
+                 instance_kind: str = "auto", gpus: Optional[Sequence[int]] = None,
+                 compile_workflows: bool = True):
+        super().__init__(instances=instances, instance_kind=instance_kind, gpus=gpus,
+                         compile_workflows=compile_workflows)
         _check_count("max_batch_size", max_batch_size, minimum=1)
         _check_count("max_batch_rows", max_batch_rows, minimum=1)
         _check_count("max_queue_delay_us", max_queue_delay_us, minimum=0)

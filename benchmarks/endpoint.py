@@ -1,0 +1,304 @@
+"""The whole serving endpoint, raw sessions to raw ids, beside the model alone.
+
+Three ensembles in one tritonserver, measured side by side in one run, rounds alternating
+(``serving.py``'s ``measure_cell``), p50 over gRPC with each request's inputs prepared once
+(no metadata RPC per call):
+
+* ``model``          encoded sessions >> ``PredictT4RPyTorch(top_k)``: the model alone;
+* ``endpoint``       raw sessions >> ``TransformWorkflow`` (Categorify of items and
+                     categories) >> ``PredictT4RPyTorch(top_k, exclude_seen=True)`` >>
+                     ``DecodeItemIds``, exported as Merlin does: NVTabular in a Triton model
+                     of its own (``0_transformworkflowtriton``);
+* ``endpoint-fast``  the same graph exported with ``merlin_t4r_ops.runtime.TritonRuntime``:
+                     the workflow through its fast path (``merlin_t4r_ops.workflow``), inside
+                     the executor model.
+
+Then where the time goes, per batch: the client's encoding (``dataframe_to_inputs``) and
+decoding (``as_numpy``), each stage of the graph in process (NVTabular's
+``Workflow._transform_df``, the fast path, the operator with masking, ``DecodeItemIds``),
+and Triton's per-model statistics (``compute_infer`` of each composing model and the
+executor; the executor's includes the workflow model it calls). The ratios
+endpoint / model are printed last.
+
+Usage::
+
+    python benchmarks/endpoint.py --quick                    # CPU, a few minutes
+    python benchmarks/endpoint.py --device cuda              # the H200 (CUDA-graph buckets)
+    python benchmarks/endpoint.py --concurrency 1,64         # and 64 concurrent clients
+"""
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import serving as bench  # noqa: E402  (adds the tests' factories to sys.path)
+
+PATHS = {"model": "model_alone", "endpoint": "endpoint", "endpoint-fast": "endpoint_fast"}
+CATEGORIES = 100
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bench.add_model_args(p)
+    p.add_argument("--session-len", type=int, default=20, help="longest raw session")
+    p.add_argument("--batch-sizes", default="1,64,256")
+    p.add_argument("--concurrency", default="1", help="e.g. 1,64 (short on the CPU)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="most requests per cell and path (200; 60 with --quick)")
+    p.add_argument("--seconds", type=float, default=6.0, help="most seconds per cell and path")
+    p.add_argument("--rounds", type=int, default=None, help="4; 2 with --quick")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--buckets", default="1,2,4,8,16,32,64,128,256",
+                   help="CUDA-graph buckets of the operator on cuda")
+    p.add_argument("--quick", action="store_true",
+                   help="5k items; 60 requests and 2 rounds per cell unless given")
+    p.add_argument("--paths", default=",".join(PATHS),
+                   help="model is always measured; endpoint-fast needs merlin_t4r_ops.workflow")
+    p.add_argument("--output", default=None, help="write the printed text here too")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.items = 5_000
+    args.requests = args.requests or (60 if args.quick else 200)
+    args.rounds = args.rounds or (2 if args.quick else 4)
+    args.buckets = tuple(int(b) for b in args.buckets.split(",") if b)
+    args.paths = ["model"] + [p for p in args.paths.split(",") if p and p != "model"]
+    unknown = set(args.paths) - set(PATHS)
+    if unknown:
+        p.error(f"--paths: unknown {sorted(unknown)}; choose from {list(PATHS)}")
+    return args
+
+
+def fit_workflow(items, directory):
+    """Categorify of item ids (the whole catalogue, large sparse raw ids) and categories."""
+    import nvtabular as nvt
+    import pandas as pd
+    from merlin.io import Dataset
+    from merlin.schema import Tags
+
+    from merlin_t4r_ops.harmless_warnings import cpu_datasets_quiet
+
+    cat = dict(out_path=str(directory))
+    encoded = ((["item_id-list"] >> nvt.ops.Categorify(**cat)
+                >> nvt.ops.AddTags([Tags.ITEM_ID, Tags.ITEM, Tags.CATEGORICAL, Tags.LIST]))
+               + (["category-list"] >> nvt.ops.Categorify(**cat)
+                  >> nvt.ops.AddTags([Tags.CATEGORICAL, Tags.LIST]))
+               + (["price-list"] >> nvt.ops.AddTags([Tags.CONTINUOUS, Tags.LIST])))
+    workflow = nvt.Workflow(encoded)
+    catalogue = pd.DataFrame({"item_id-list": [raw_item_ids(np.arange(3, items))],
+                              "category-list": [raw_categories(np.arange(3, CATEGORIES))],
+                              "price-list": [np.ones(items - 3, dtype=np.float32)]})
+    with cpu_datasets_quiet():
+        workflow.fit(Dataset(catalogue, npartitions=1))
+    return workflow
+
+
+def raw_item_ids(codes):
+    return 10_000_000_000 + 7_919 * (np.asarray(codes, dtype=np.int64) - 3)
+
+
+def raw_categories(codes):
+    return 500 + 13 * (np.asarray(codes, dtype=np.int64) - 3)
+
+
+def raw_sessions(batch, rng, args):
+    """Sessions in the shop's ids; one item in fifty is unknown to the catalogue."""
+    import t4r_factories as factories
+
+    df = factories.random_sessions(batch, rng, max_len=args.session_len, items=args.items,
+                                   categories=CATEGORIES)
+    df["item_id-list"] = [np.where(rng.random(len(ids)) < 0.02, 13, raw_item_ids(ids))
+                          for ids in df["item_id-list"]]
+    df["category-list"] = [raw_categories(c) for c in df["category-list"]]
+    return df
+
+
+def export(workflow, model, args, device, path):
+    """The three ensembles of ``PATHS`` into one repository; returns them by path."""
+    from merlin.systems.dag import Ensemble
+    from merlin.systems.dag.ops.workflow import TransformWorkflow
+
+    from merlin_t4r_ops import DecodeItemIds, PredictT4RPyTorch
+    from merlin_t4r_ops.runtime import TritonRuntime
+
+    buckets = args.buckets if device.type == "cuda" else None
+
+    def predict(**kw):
+        return PredictT4RPyTorch(model, top_k=args.top_k, device=str(device),
+                                 cuda_graph_buckets=buckets, **kw)
+
+    def endpoint():
+        return Ensemble(workflow.input_schema.column_names >> TransformWorkflow(workflow)
+                        >> predict(exclude_seen=True) >> DecodeItemIds(workflow),
+                        workflow.input_schema)
+
+    ensembles = {"model": Ensemble(model.input_schema.column_names >> predict(),
+                                   model.input_schema)}
+    ensembles["model"].export(path, name=PATHS["model"])
+    for name in args.paths[1:]:
+        ensembles[name] = endpoint()
+        runtime = TritonRuntime() if name == "endpoint-fast" else None
+        ensembles[name].export(path, name=PATHS[name], runtime=runtime)
+    return ensembles
+
+
+def p50_ms(fn, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def in_process_stages(workflow, raw, encoded, ensembles, dtypes, server, repeats):
+    """p50 ms of each stage of the endpoint, alone, in this process."""
+    import tritonclient.grpc as grpcclient
+    from merlin.dag import ColumnSelector
+    from merlin.systems.dag.ops.workflow import TransformWorkflow
+    from merlin.table import TensorTable
+
+    from merlin_t4r_ops.serving.client import dataframe_arrays, dataframe_to_inputs
+    from merlin_t4r_ops.workflow import compile_workflow
+
+    endpoint = "endpoint" if "endpoint" in ensembles else "endpoint-fast"
+    decode_node = ensembles[endpoint].graph.output_node
+    decode_op, predict_op = decode_node.op, decode_node.parents[0].op
+    alone_op = ensembles["model"].graph.output_node.op
+    raw_table = TensorTable(dataframe_arrays(raw, dtypes))
+    encoded_table = TensorTable.from_df(encoded)
+    everything = ColumnSelector(list(encoded_table.columns))
+    top_k = predict_op.transform(everything, encoded_table)
+    outputs = ensembles[endpoint].output_schema.column_names
+    result = server.client().infer(PATHS[endpoint], dataframe_to_inputs(raw, dtypes),
+                                   outputs=[grpcclient.InferRequestedOutput(o) for o in outputs])
+    stages = {
+        "client encode": p50_ms(lambda: dataframe_to_inputs(raw, dtypes), repeats),
+        "workflow, NVTabular": p50_ms(lambda: workflow._transform_df(raw_table.to_df()), repeats),
+    }
+    if "endpoint-fast" in ensembles:
+        fast = compile_workflow(TransformWorkflow(workflow))
+        stages["workflow, fast path"] = p50_ms(lambda: fast.transform(None, raw_table), repeats)
+    return {
+        **stages,
+        "model + top-k (the model alone)": p50_ms(
+            lambda: alone_op.transform(everything, encoded_table), repeats),
+        "model + mask + top-k": p50_ms(lambda: predict_op.transform(everything, encoded_table),
+                                       repeats),
+        "decode": p50_ms(lambda: decode_op.transform(ColumnSelector(list(top_k.columns)),
+                                                     top_k), repeats),
+        "client decode": p50_ms(lambda: [result.as_numpy(o) for o in outputs], repeats),
+    }
+
+
+def server_stages(before, after, models):
+    """Mean ms per request of Triton's compute_infer for each model between two snapshots."""
+    out = {}
+    for model in models:
+        n = max(1, after[model]["success_n"] - before[model]["success_n"])
+        out[model] = {key: (after[model][key + "_ns"] - before[model][key + "_ns"]) / n / 1e6
+                      for key in ("success", "compute_infer")}
+    return out
+
+
+def run(args):
+    import torch
+
+    from merlin_t4r_ops.serving import triton_server
+    from merlin_t4r_ops.serving.client import _input_specs, model_metadata
+    from merlin_t4r_ops.serving.triton_env import stub_threads
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.set_num_threads(stub_threads())
+    rng = np.random.default_rng(0)
+    lines, stages, ratios = [], [], []
+    with tempfile.TemporaryDirectory(prefix="endpoint-bench-") as tmp:
+        workflow = fit_workflow(args.items, Path(tmp) / "categories")
+        model = bench.build_model(args, device, workflow)
+        repo = Path(tmp) / "repository"
+        ensembles = export(workflow, model, args, device, str(repo))
+        with triton_server(repo, timeout=600) as server:
+            client = server.client()
+            specs = {path: _input_specs(model_metadata(client, PATHS[path]))[0]
+                     for path in args.paths}
+            models = [PATHS[path] for path in args.paths] + (
+                ["0_transformworkflowtriton"] if "endpoint" in args.paths else [])
+            for batch in [int(b) for b in args.batch_sizes.split(",")]:
+                raw = raw_sessions(batch, rng, args)
+                encoded = workflow._transform_df(raw)
+                frames = {path: encoded if path == "model" else raw for path in args.paths}
+                makers = {path: bench.triton_calls(
+                    PATHS[path], ensembles[path].output_schema.column_names, frames[path],
+                    specs[path], server, prepared=True) for path in args.paths}
+                for make in makers.values():  # cold first requests stay out of the statistics
+                    call = make()
+                    for _ in range(3):
+                        call()
+                for concurrency in [int(c) for c in args.concurrency.split(",")]:
+                    before = {m: bench.triton_stats(client, m) for m in models}
+                    cell_args = args if concurrency == 1 else bench.batch1_budget(args, concurrency)
+                    cells = bench.measure_cell(makers, batch, concurrency, cell_args)
+                    after = {m: bench.triton_stats(client, m) for m in models}
+                    for path, cell in cells.items():
+                        lines.append((path, batch, concurrency, cell))
+                        print(format_row(path, batch, concurrency, cell), flush=True)
+                    for path in args.paths[1:]:
+                        ratios.append((path, batch, concurrency,
+                                       cells[path]["p50_ms"] / cells["model"]["p50_ms"]))
+                    if concurrency == 1:
+                        local = in_process_stages(workflow, raw, encoded, ensembles,
+                                                  specs[args.paths[-1]], server, 30)
+                        stages.append((batch, server_stages(before, after, models), local))
+    return device, lines, stages, ratios
+
+
+HEADER = ("| path | batch | clients | p50 ms | p99 ms | rows/s |\n"
+          "|---|---:|---:|---:|---:|---:|")
+
+
+def format_row(path, batch, concurrency, cell):
+    return (f"| {path} | {batch} | {concurrency} | {cell['p50_ms']:.2f} | {cell['p99_ms']:.2f} "
+            f"| {cell['rows_per_s']:,.0f} |")
+
+
+def stage_tables(stages):
+    out = []
+    for batch, server, local in stages:
+        rows = [f"Batch {batch}: stages in process (p50 ms, one at a time)", "",
+                "| stage | ms |", "|---|---:|"]
+        rows += [f"| {stage} | {ms:.3f} |" for stage, ms in local.items()]
+        rows += ["", f"Batch {batch}: Triton, mean ms per request", "",
+                 "| model | request (success) | compute_infer |", "|---|---:|---:|"]
+        rows += [f"| {model} | {s['success']:.3f} | {s['compute_infer']:.3f} |"
+                 for model, s in server.items()]
+        out.append("\n".join(rows))
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    print(HEADER, flush=True)
+    device, lines, stages, ratios = run(args)
+    settings = (f"{args.model}, d_model {args.d_model}, {args.n_layer} layers, sequence length "
+                f"{args.seq_len}, sessions of 1 to {args.session_len} items, {args.items:,} "
+                f"items, top-{args.top_k}, device {device}, {args.rounds} rounds, "
+                f"{args.requests} requests and {args.seconds} s per cell at most")
+    ratio_rows = ["| path | batch | clients | p50 / model alone p50 |", "|---|---:|---:|---:|"]
+    ratio_rows += [f"| {p} | {b} | {c} | {r:.2f}x |" for p, b, c, r in ratios]
+    text = "\n\n".join([f"Machine: {bench.machine(device)}", f"Settings: {settings}",
+                        "\n".join([HEADER] + [format_row(*line) for line in lines]),
+                        "\n".join(ratio_rows), *stage_tables(stages)]) + "\n"
+    print("\n" + text)
+    if args.output:
+        Path(args.output).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
