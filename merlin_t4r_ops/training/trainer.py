@@ -277,10 +277,7 @@ class Trainer(T4RTrainer):
             which evaluation weights batches by their targets.
         """
         features, targets = self._prepare_inputs(inputs)
-        # amp_dtype: bfloat16 under args.bf16 (torch.autocast's own default is float16).
-        autocast = (torch.autocast("cuda", dtype=self.amp_dtype) if self._use_cuda_amp
-                    else contextlib.nullcontext())
-        with torch.no_grad(), autocast:
+        with torch.no_grad(), self._evaluation_autocast():
             outputs = forward_batch(model, features, targets, training=training, testing=testing)
         if not testing:
             return None, (None if prediction_loss_only else nested_detach(outputs)), None, None
@@ -292,6 +289,17 @@ class Trainer(T4RTrainer):
         if prediction_loss_only:
             return loss, None, None, stats
         return loss, nested_detach(outputs["predictions"]), nested_detach(outputs["labels"]), stats
+
+    def _evaluation_autocast(self):
+        """Autocast to ``args``' half precision on CUDA (bfloat16 under ``bf16``).
+
+        Hugging Face 4.30 sets ``use_cuda_amp`` only with sharded DDP; otherwise training
+        autocasts through accelerate's patched ``forward``, which evaluation never prepares,
+        so evaluation decides here from the arguments themselves.
+        """
+        if not (self.args.bf16 or self.args.fp16) or self.args.device.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.autocast("cuda", dtype=torch.bfloat16 if self.args.bf16 else torch.float16)
 
     def evaluation_loop(
         self,
