@@ -130,6 +130,14 @@ def test_inputs_that_disagree_on_rows_are_refused_before_merging():
         request_rows(arrays, SCHEMA)
 
 
+def test_a_missing_input_is_named():
+    arrays = _request([[1, 2], [3]], [1, 2])
+    del arrays["items__offsets"]
+    with pytest.raises(InvalidRequestError, match=r"^input 'items__offsets' is missing: the "
+                                                  r"request sent 2 of the 3 inputs$"):
+        request_rows(arrays, SCHEMA)
+
+
 # -- what the runtimes write ----------------------------------------------------------------
 
 def test_batching_runtime_writes_dynamic_batching_and_its_executor(ensemble, tmp_path):
@@ -145,6 +153,8 @@ def test_batching_runtime_writes_dynamic_batching_and_its_executor(ensemble, tmp
         "item_id-list__values", "item_id-list__offsets", "category-list__values",
         "category-list__offsets", "price-list__values", "price-list__offsets"]
     assert all(i.allow_ragged_batch for i in config.input)
+    # Optional, so that a missing input reaches the executor, which names it in one line.
+    assert all(i.optional for i in config.input)
     [group] = config.instance_group
     assert (group.kind, group.count, list(group.gpus)) == (KIND.KIND_GPU, 3, [0, 1])
     model_py = (tmp_path / "batched" / "1" / "model.py").read_text()
@@ -176,7 +186,7 @@ def test_stock_export_is_unchanged_by_the_runtimes(ensemble, tmp_path):
     for folder in ("before", "after"):
         config = _config(tmp_path / folder, "executor_model")
         assert config.max_batch_size == 0 and not config.HasField("dynamic_batching")
-        assert not any(i.allow_ragged_batch for i in config.input)
+        assert not any(i.allow_ragged_batch or i.optional for i in config.input)
         assert [(g.kind, g.count) for g in config.instance_group] == [(KIND.KIND_AUTO, 0)]
         with importlib.resources.as_file(_merlin_executor_model()) as merlin_model:
             assert filecmp.cmp(tmp_path / folder / "executor_model" / "1" / "model.py",

@@ -58,10 +58,16 @@ def request_rows(arrays: Arrays, schema: Schema, *, batch_dim: bool = True) -> R
     Raises
     ------
     InvalidRequestError
-        Naming the input: a batch dimension other than 1, offsets that are not integers,
+        Naming the input: a missing input, a batch dimension other than 1, offsets that are not integers,
         do not start at 0, decrease, or miss the number of values, and inputs that disagree
         on the number of rows.
     """
+    expected = [name for column in schema for name in (
+        (column.name + VALUES, column.name + OFFSETS) if column.is_ragged else (column.name,))]
+    missing = [name for name in expected if name not in arrays]
+    if missing:
+        raise InvalidRequestError(f"input {missing[0]!r} is missing: the request sent "
+                                  f"{len(arrays)} of the {len(expected)} inputs")
     stripped = ({name: _without_batch_dim(name, array) for name, array in arrays.items()}
                 if batch_dim else arrays)
     rows = {}

@@ -71,8 +71,12 @@ class TritonPythonModel(MerlinExecutorModel):
         batch = []
         for index, request in enumerate(requests):
             try:
+                # Inputs are declared optional (TritonRuntime.adapt_config), so that a missing
+                # one reaches request_rows, which names it in one line; Triton's own refusal
+                # lists every input.
+                sent = {tensor.name() for tensor in request.inputs()}
                 arrays = {name: _array_from_triton_tensor(request, name)
-                          for name in self.input_names}
+                          for name in self.input_names if name in sent}
                 rows = request_rows(arrays, self.ensemble.input_schema,
                                     batch_dim=self.batch_dim)
             except Exception as exc:  # noqa: BLE001 - the request is answered with it

@@ -75,9 +75,13 @@ class TritonRuntime(TritonExecutorRuntime):
         return config
 
     def adapt_config(self, config) -> None:
-        """Change Merlin's executor ``ModelConfig`` in place: here, its instance group."""
+        """Change Merlin's executor ``ModelConfig`` in place: its instance group, and every
+        input optional, so that the executor names a missing input in one line (Triton's own
+        refusal lists every input of the model, 300-odd characters)."""
         del config.instance_group[:]
         config.instance_group.append(self.instance_group)
+        for model_input in config.input:
+            model_input.optional = True
 
     def write_model_py(self, target: Path) -> None:
         """This package's executor in place of Merlin's."""
