@@ -58,9 +58,9 @@ def request_rows(arrays: Arrays, schema: Schema, *, batch_dim: bool = True) -> R
     Raises
     ------
     InvalidRequestError
-        Naming the input: a missing input, a batch dimension other than 1, offsets that are not integers,
-        do not start at 0, decrease, or miss the number of values, and inputs that disagree
-        on the number of rows.
+        Naming the input: a missing input, a batch dimension other than 1, offsets that
+        are not integers, do not start at 0, decrease, or miss the number of values, and
+        inputs that disagree on the number of rows.
     """
     expected = [name for column in schema for name in (
         (column.name + VALUES, column.name + OFFSETS) if column.is_ragged else (column.name,))]
