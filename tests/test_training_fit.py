@@ -78,9 +78,13 @@ def test_metrics_are_exact_regardless_of_batching(data):
     assert a == pytest.approx(b, rel=1e-5)
 
 
-def test_metric_accumulator_with_no_batch_returns_zeros():
+def test_an_evaluation_over_no_rows_is_nan_with_a_warning():
+    """A mean over nothing is NaN (as T4R's Trainer's loss is), never a plausible 0.0."""
     acc = MetricAccumulator(factories.build_model("binary"), CPU_SINGLE)
-    assert set(acc.compute().values()) == {0.0}
+    with pytest.warns(RuntimeWarning, match="evaluation saw no rows"):
+        metrics = acc.compute()
+    assert "loss" in metrics and "click/binary_classification_task/binary_accuracy" in metrics
+    assert all(math.isnan(v) for v in metrics.values())
 
 
 def test_fit_same_seed_is_reproducible_and_accepts_dataset_and_loader(data):
