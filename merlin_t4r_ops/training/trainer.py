@@ -413,10 +413,6 @@ class Trainer(T4RTrainer):
         )
         self.dist_state.barrier()
 
-    def is_local_process_zero(self) -> bool:
-        """Progress bars and printing only on global rank 0, not once per node."""
-        return self.dist_state.is_main_process
-
 
 # ---- helpers ----------------------------------------------------------------------------------
 
