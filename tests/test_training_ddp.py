@@ -8,6 +8,7 @@ rank has its own disk. A run that hangs is killed and fails its test.
 """
 
 import collections
+import csv
 import os
 import shutil
 import sys
@@ -129,14 +130,26 @@ def assert_ddp_metrics_are_the_single_process_metrics(task, ranks, valid, batch)
 
 def test_ddp_task_metrics_are_reduced_by_torchmetrics_to_the_single_process_values(data):
     """AUROC, accuracy, MAE and RMSE that the tasks ask for, from their states on 2 ranks."""
+    logs = data["root"] / "asked-metrics-logs"
     ranks, _ = torchrun(
         data["root"] / "out-asked-metrics", "--task", "asked-metrics", "--train", data["train"],
-        "--eval", data["valid"], "--epochs", 1, "--batch-size", 16,
+        "--eval", data["valid"], "--epochs", 1, "--batch-size", 16, "--log-dir", logs,
     )
     history = ranks[0][0]["history"][-1]
     assert {"eval_click/binary_classification_task/binary_auroc",
             "eval_rating/regression_task/mean_absolute_error"} <= set(history)
     assert_ddp_metrics_are_the_single_process_metrics("asked-metrics", ranks, data["valid"], 16)
+
+    # fit's log: written by the main process alone, each step once, the global numbers.
+    with open(logs / "log.csv") as f:
+        rows = list(csv.DictReader(f))
+    steps = [int(r["step"]) for r in rows if r["name"] == "train/loss"]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 2
+    losses = [float(r["value"]) for r in rows if r["name"] == "train/loss"]
+    assert sum(losses) / len(losses) == pytest.approx(history["train_loss"])
+    logged = {r["name"][len("eval/"):]: float(r["value"]) for r in rows if r["name"].startswith("eval/")}
+    assert logged == {k[len("eval_"):]: pytest.approx(v) for k, v in history.items()
+                      if k.startswith("eval_")}
 
 
 def test_ddp_shards_are_disjoint_and_cover_the_dataset(data):
