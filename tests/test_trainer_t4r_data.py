@@ -108,7 +108,8 @@ def test_task_metrics_are_the_tasks_own_with_t4rs_keys_and_values(task, tmp_path
     inputs = tr.TabularSequenceFeatures.from_schema(
         MUSIC.merlin_schema, max_sequence_length=WIDTH, d_output=64, masking="mlm")
     # A Head of several tasks, as to_torch_model builds one from a single task.
-    transformer = tr.TransformerBlock(tconf.XLNetConfig.build(64, 4, 2, WIDTH), masking=inputs.masking)
+    config = tconf.XLNetConfig.build(64, 4, 2, WIDTH)
+    transformer = tr.TransformerBlock(config, masking=inputs.masking)
     model = tr.Head(tr.SequentialBlock(inputs, transformer), TASKS[task]()).to_model()
     common = dict(model=model, schema=MUSIC.merlin_schema, eval_dataset_or_path=MUSIC.path,
                   compute_metrics=True)

@@ -147,7 +147,8 @@ def test_ddp_task_metrics_are_reduced_by_torchmetrics_to_the_single_process_valu
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 2
     losses = [float(r["value"]) for r in rows if r["name"] == "train/loss"]
     assert sum(losses) / len(losses) == pytest.approx(history["train_loss"])
-    logged = {r["name"][len("eval/"):]: float(r["value"]) for r in rows if r["name"].startswith("eval/")}
+    logged = {r["name"][len("eval/"):]: float(r["value"])
+              for r in rows if r["name"].startswith("eval/")}
     assert logged == {k[len("eval_"):]: pytest.approx(v) for k, v in history.items()
                       if k.startswith("eval_")}
 
