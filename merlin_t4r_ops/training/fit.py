@@ -293,7 +293,8 @@ def fit(
         ``train/learning_rate`` and each evaluation's ``eval/<metric>``:
         ``log.csv`` (rows ``step, epoch, name, value``) and, where the
         ``tensorboard`` package is installed, TensorBoard events under
-        ``runs/``. Defaults to ``checkpoint_dir``; neither set logs nothing.
+        ``runs/``. None (the default) logs nothing. Kept apart from
+        ``checkpoint_dir``, which may be node-local and holds ``last.pt`` only.
 
     Returns
     -------
@@ -354,7 +355,7 @@ def fit(
     scaler = torch.amp.GradScaler("cuda") if amp else None
 
     frozen = {}
-    run_log = RunLog(log_dir if log_dir is not None else checkpoint_dir, state)
+    run_log = RunLog(log_dir, state)
     try:
         if state.is_distributed and find_unused_parameters is None:
             # Before restoring RNG states: a resumed run must continue the
