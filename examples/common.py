@@ -232,3 +232,26 @@ def final_metrics(history: Sequence[dict], names: Dict[str, str]) -> Dict[str, f
     """``{short name: value}`` of the last epoch's eval metrics (``names``: short -> key)."""
     last = history[-1]
     return {short: float(last[f"eval_{key}"]) for short, key in names.items()}
+
+
+def plot_loss(log_csv: Path, png: Path):
+    """Plot the per-step training loss of ``fit``'s ``log.csv`` into ``png``.
+
+    Optional, like matplotlib here: returns ``None`` (and draws nothing) where
+    matplotlib is not installed, else ``png``.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    log = pd.read_csv(log_csv)
+    loss = log[log["name"] == "train/loss"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(loss["step"], loss["value"])
+    ax.set(xlabel="optimizer step", ylabel="training loss", title="fit: training loss")
+    fig.savefig(png, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return png

@@ -95,7 +95,13 @@ def main(argv=None) -> dict:
     model = build_model(etl["workflow"].output_schema, args.max_length, args.d_model)
     history = fit(model, str(etl["train_dir"]), eval_data=str(etl["eval_dir"]),
                   epochs=args.epochs, strategy="auto", batch_size=args.batch_size, lr=args.lr,
-                  seed=args.seed, progress=not args.no_progress)
+                  seed=args.seed, progress=not args.no_progress,
+                  log_dir=str(output_dir / "logs"))
+    # fit's log.csv (per-step loss, learning rate, eval metrics) as a loss curve, where
+    # matplotlib is installed.
+    curve = common.plot_loss(output_dir / "logs" / "log.csv", output_dir / "loss.png")
+    print(f"loss curve: {curve}" if curve else "loss curve: install matplotlib to draw "
+          f"{output_dir / 'logs' / 'log.csv'}", flush=True)
     metrics = common.final_metrics(history, METRICS)
     baseline = popularity_baseline(etl["train_raw"], etl["eval_raw"])
     print(f"held-out NDCG@{K}={metrics[f'ndcg@{K}']:.4f}  Recall@{K}={metrics[f'recall@{K}']:.4f}"

@@ -98,12 +98,14 @@ def dataset(path):
 
 
 def build_model(task="binary", d_model=16, n_layer=1, masking=None, schema=None, seed=0):
-    """A tiny XLNet T4R model for ``task`` in {"binary", "regression", "next-item", "multi"}.
+    """A tiny XLNet T4R model for ``task`` in {"binary", "regression", "next-item", "multi",
+    "asked-metrics"}.
 
     Causal masking and dropout 0, so the forward pass is deterministic. ``"multi"`` has the
     three tasks on one head, like T4R's ``test_trainer_with_multiple_tasks``.
     """
     import torch
+    import torchmetrics as tm
 
     torch.manual_seed(seed)
     schema = schema or session_schema()
@@ -132,9 +134,18 @@ def build_model(task="binary", d_model=16, n_layer=1, masking=None, schema=None,
             tr.BinaryClassificationTask("click", summary_type="mean"),
             tr.RegressionTask("rating", summary_type="mean"),
         ]
+    elif task == "asked-metrics":
+        # Metrics that the tasks ask for, beyond T4R's defaults.
+        head_task = [
+            tr.BinaryClassificationTask("click", summary_type="mean", metrics=(
+                tm.AUROC(task="binary"), tm.Accuracy(task="binary"))),
+            tr.RegressionTask("rating", summary_type="mean", metrics=(
+                tm.MeanAbsoluteError(), tm.MeanSquaredError(squared=False))),
+        ]
     else:
         raise ValueError(
-            f"task must be 'binary', 'regression', 'next-item' or 'multi', got {task!r}"
+            f"task must be 'binary', 'regression', 'next-item', 'multi' or 'asked-metrics', "
+            f"got {task!r}"
         )
     if isinstance(head_task, list):
         # to_torch_model(inputs, *tasks) fails in T4R 23.12 ("multiple values for task_blocks").

@@ -55,6 +55,19 @@ def test_next_item_metrics_are_finite_and_in_unit_interval(next_item):
     assert math.isfinite(results["history"][-1]["train_loss"])
 
 
+def test_fit_logs_the_loss_and_the_example_plots_it_where_matplotlib_is(next_item):
+    out, results = next_item
+    log = pd.read_csv(out / "logs" / "log.csv")
+    loss = log[log["name"] == "train/loss"]
+    assert len(loss) >= 1 and np.isfinite(loss["value"]).all()
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not (out / "loss.png").exists()
+    else:
+        assert (out / "loss.png").stat().st_size > 0
+
+
 def test_recommendations_are_original_item_ids(next_item):
     """The server answers in the shop's ids: K distinct known items, none of the session's."""
     _, results = next_item

@@ -213,6 +213,15 @@ def test_ddp_ranks_are_global_and_shards_disjoint_and_complete(ddp_run, data):
     assert [r["global_step"] for r in reports] == [8, 8]
 
 
+def test_local_process_zero_is_local_rank_0_and_world_zero_alone_saves(ddp_run):
+    """Hugging Face's meanings: one progress bar per node, one process that saves."""
+    reports, _ = ddp_run
+    assert [r["process_zero"] for r in reports] == [
+        {"local": True, "world": True, "should_save": True},
+        {"local": True, "world": False, "should_save": False},  # node 1's LOCAL_RANK 0
+    ]
+
+
 def test_ddp_weights_identical_and_in_users_model(ddp_run, data):
     reports, (w0, w1) = ddp_run
     assert w0.keys() == w1.keys()

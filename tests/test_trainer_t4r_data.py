@@ -10,6 +10,8 @@ nothing and both trainers see the same rows.
 import numpy as np
 import pandas as pd
 import pytest
+import torch
+import torchmetrics as tm
 import transformers4rec.torch as tr
 from merlin.schema import Tags
 from transformers4rec.config import trainer as tconfig
@@ -73,6 +75,53 @@ def test_binary_classification_evaluates_as_t4r_does(schema, tmp_path):
     assert "eval_/click/binary_classification_task/binary_accuracy" in metric_names
     for name in metric_names:
         assert our_metrics[name] == pytest.approx(their_metrics[name], rel=1e-5), name
+
+
+def _binary_auroc_accuracy():
+    return tr.BinaryClassificationTask("click", summary_type="mean", metrics=(
+        tm.AUROC(task="binary"), tm.Accuracy(task="binary")))
+
+
+def _regression_mae_rmse():
+    return tr.RegressionTask("play_percentage", summary_type="mean", metrics=(
+        tm.MeanAbsoluteError(), tm.MeanSquaredError(squared=False)))
+
+
+TASKS = {
+    "next-item": lambda: [tr.NextItemPredictionTask(weight_tying=True, metrics=[
+        tr.ranking_metric.NDCGAt(top_ks=[2, 5], labels_onehot=True),
+        tr.ranking_metric.RecallAt(top_ks=[2, 5], labels_onehot=True)])],
+    "binary-auroc": lambda: [_binary_auroc_accuracy()],
+    "regression-mae-rmse": lambda: [_regression_mae_rmse()],
+    "multi-task": lambda: [_binary_auroc_accuracy(), _regression_mae_rmse()],
+}
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_task_metrics_are_the_tasks_own_with_t4rs_keys_and_values(task, tmp_path):
+    """What the task asks for (AUROC, MAE, RMSE, ...), as T4R's Trainer reports it.
+
+    The loss is left out of the values: ours is the exact mean over all targets,
+    T4R's the mean of per-batch means (the last batch of 100 rows holds 4).
+    """
+    torch.manual_seed(0)
+    inputs = tr.TabularSequenceFeatures.from_schema(
+        MUSIC.merlin_schema, max_sequence_length=WIDTH, d_output=64, masking="mlm")
+    # A Head of several tasks, as to_torch_model builds one from a single task.
+    config = tconf.XLNetConfig.build(64, 4, 2, WIDTH)
+    transformer = tr.TransformerBlock(config, masking=inputs.masking)
+    model = tr.Head(tr.SequentialBlock(inputs, transformer), TASKS[task]()).to_model()
+    common = dict(model=model, schema=MUSIC.merlin_schema, eval_dataset_or_path=MUSIC.path,
+                  compute_metrics=True)
+    ours = Trainer(args=music_args(tmp_path / "ours"), strategy="single", **common).evaluate()
+    theirs = T4RTrainer(args=music_args(tmp_path / "theirs"), **common).evaluate()
+    assert ours.keys() == theirs.keys()
+    asked = {"next-item": "ndcg_at_5", "binary-auroc": "binary_auroc",
+             "regression-mae-rmse": "mean_squared_error", "multi-task": "mean_absolute_error"}
+    assert any(k.endswith(asked[task]) for k in ours), sorted(ours)
+    for name, value in theirs.items():
+        if name.startswith("eval_/") and name != "eval_/loss":
+            assert ours[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
 
 
 # ---- T4R's errors before a loader is built ----------------------------------------------------

@@ -8,6 +8,7 @@ rank has its own disk. A run that hangs is killed and fails its test.
 """
 
 import collections
+import csv
 import os
 import shutil
 import sys
@@ -106,20 +107,50 @@ def test_fit_ddp_matches_single_process_and_reduces_metrics_exactly(task, data):
     reference = lockstep_reference(task, data["train"], epochs, batch)
     assert_same_weights(w0, reference.state_dict(), rtol=1e-4, atol=1e-5)
 
-    # Eval metrics: equal on both ranks and to a single-process eval of the same weights.
+    assert_ddp_metrics_are_the_single_process_metrics(task, ranks, data["valid"], batch)
+    assert info0["history"][-1]["train_samples"] == 128
+
+    # Only the main process prints the per-epoch lines.
+    assert stdout.count(f"epoch {epochs}/{epochs}") == 1
+
+
+def assert_ddp_metrics_are_the_single_process_metrics(task, ranks, valid, batch):
+    """Eval metrics: equal on both ranks and to a single-process eval of the same weights."""
+    (info0, w0), (info1, _) = ranks
     h0, h1 = info0["history"], info1["history"]
     assert h0 == [dict(h, train_seconds=h0[i]["train_seconds"]) for i, h in enumerate(h1)]
     model = factories.build_model(task, seed=1)
     model.load_state_dict(w0)
-    single = evaluate(model, data["valid"], strategy="single", batch_size=batch)
+    single = evaluate(model, valid, strategy="single", batch_size=batch)
     got = {k[len("eval_"):]: v for k, v in h0[-1].items() if k.startswith("eval_")}
     assert got.keys() == single.keys() and len(got) >= 4
     for name in single:
         assert got[name] == pytest.approx(single[name], rel=1e-5, abs=1e-6), name
-    assert h0[-1]["train_samples"] == 128
 
-    # Only the main process prints the per-epoch lines.
-    assert stdout.count(f"epoch {epochs}/{epochs}") == 1
+
+def test_ddp_task_metrics_are_reduced_by_torchmetrics_to_the_single_process_values(data):
+    """AUROC, accuracy, MAE and RMSE that the tasks ask for, from their states on 2 ranks."""
+    logs = data["root"] / "asked-metrics-logs"
+    ranks, _ = torchrun(
+        data["root"] / "out-asked-metrics", "--task", "asked-metrics", "--train", data["train"],
+        "--eval", data["valid"], "--epochs", 1, "--batch-size", 16, "--log-dir", logs,
+    )
+    history = ranks[0][0]["history"][-1]
+    assert {"eval_click/binary_classification_task/binary_auroc",
+            "eval_rating/regression_task/mean_absolute_error"} <= set(history)
+    assert_ddp_metrics_are_the_single_process_metrics("asked-metrics", ranks, data["valid"], 16)
+
+    # fit's log: written by the main process alone, each step once, the global numbers.
+    with open(logs / "log.csv") as f:
+        rows = list(csv.DictReader(f))
+    steps = [int(r["step"]) for r in rows if r["name"] == "train/loss"]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 2
+    losses = [float(r["value"]) for r in rows if r["name"] == "train/loss"]
+    assert sum(losses) / len(losses) == pytest.approx(history["train_loss"])
+    logged = {r["name"][len("eval/"):]: float(r["value"])
+              for r in rows if r["name"].startswith("eval/")}
+    assert logged == {k[len("eval_"):]: pytest.approx(v) for k, v in history.items()
+                      if k.startswith("eval_")}
 
 
 def test_ddp_shards_are_disjoint_and_cover_the_dataset(data):

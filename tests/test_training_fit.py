@@ -78,9 +78,13 @@ def test_metrics_are_exact_regardless_of_batching(data):
     assert a == pytest.approx(b, rel=1e-5)
 
 
-def test_metric_accumulator_with_no_batch_returns_zeros():
+def test_an_evaluation_over_no_rows_is_nan_with_a_warning():
+    """A mean over nothing is NaN (as T4R's Trainer's loss is), never a plausible 0.0."""
     acc = MetricAccumulator(factories.build_model("binary"), CPU_SINGLE)
-    assert set(acc.compute().values()) == {0.0}
+    with pytest.warns(RuntimeWarning, match="evaluation saw no rows"):
+        metrics = acc.compute()
+    assert "loss" in metrics and "click/binary_classification_task/binary_accuracy" in metrics
+    assert all(math.isnan(v) for v in metrics.values())
 
 
 def test_fit_same_seed_is_reproducible_and_accepts_dataset_and_loader(data):
@@ -252,3 +256,23 @@ def test_gradient_accumulation_equals_the_larger_batch(task, data):
                                          "got 0"):
         fit(factories.build_model(task), data["train"], gradient_accumulation_steps=0,
             strategy=CPU_SINGLE)
+
+
+def test_fit_logs_step_loss_learning_rate_and_eval_metrics_to_csv(data, tmp_path):
+    """As the Trainer logs: train/loss and train/learning_rate per step, eval/<metric> per epoch."""
+    import csv
+
+    model = factories.build_model("binary")
+    history = fit(model, data["train"], eval_data=data["valid"], epochs=2, batch_size=64,
+                  strategy=CPU_SINGLE, seed=0, progress=False, log_dir=str(tmp_path))
+    with open(tmp_path / "log.csv") as f:
+        rows = list(csv.DictReader(f))
+    losses = [r for r in rows if r["name"] == "train/loss"]
+    assert [int(r["step"]) for r in losses] == [1, 2, 3, 4, 5, 6]  # 192 rows / 64, two epochs
+    assert {r["name"] for r in rows} >= {"train/learning_rate", "eval/loss",
+                                         "eval/click/binary_classification_task/binary_accuracy"}
+    epoch_1 = [float(r["value"]) for r in losses[:3]]
+    assert sum(epoch_1) / 3 == pytest.approx(history[0]["train_loss"])
+    evals = [r for r in rows if r["name"] == "eval/loss"]
+    assert [(int(r["step"]), float(r["value"])) for r in evals] == [
+        (3, pytest.approx(history[0]["eval_loss"])), (6, pytest.approx(history[1]["eval_loss"]))]

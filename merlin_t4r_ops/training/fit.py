@@ -67,6 +67,7 @@ from merlin_t4r_ops.training.data import (
     to_device,
 )
 from merlin_t4r_ops.training.data_parallel import forward_batch, rank_loss
+from merlin_t4r_ops.training.run_log import RunLog
 from merlin_t4r_ops.training.metrics import MetricAccumulator
 from merlin_t4r_ops.training.state import (
     DistributedState,
@@ -202,6 +203,7 @@ def fit(
     find_unused_parameters: Optional[bool] = None,
     progress: bool = True,
     callbacks: Sequence[Callable[[dict], None]] = (),
+    log_dir=None,
 ) -> List[dict]:
     """Train ``model`` in place; return the per-epoch history.
 
@@ -286,6 +288,13 @@ def fit(
     callbacks : sequence of callable
         Called on every rank with each epoch's history entry, after the
         checkpoint is written.
+    log_dir : str, optional
+        Where the main process logs each optimizer step's ``train/loss`` and
+        ``train/learning_rate`` and each evaluation's ``eval/<metric>``:
+        ``log.csv`` (rows ``step, epoch, name, value``) and, where the
+        ``tensorboard`` package is installed, TensorBoard events under
+        ``runs/``. None (the default) logs nothing. Kept apart from
+        ``checkpoint_dir``, which may be node-local and holds ``last.pt`` only.
 
     Returns
     -------
@@ -346,6 +355,7 @@ def fit(
     scaler = torch.amp.GradScaler("cuda") if amp else None
 
     frozen = {}
+    run_log = RunLog(log_dir, state)
     try:
         if state.is_distributed and find_unused_parameters is None:
             # Before restoring RNG states: a resumed run must continue the
@@ -386,13 +396,15 @@ def fit(
                 max_grad_norm, lr_scheduler if lr_scheduler_interval == "step" else None, progress,
                 resume_at=resume_at if epoch == start_epoch else None,
                 save=save_mid_epoch if save_steps else None,
-                accumulate=gradient_accumulation_steps,
+                accumulate=gradient_accumulation_steps, log=run_log if run_log.active else None,
             )
             if lr_scheduler is not None and lr_scheduler_interval == "epoch":
                 lr_scheduler.step()
             if eval_loader is not None:
                 metrics = _evaluate(wrapped, eval_loader, state, amp)
                 entry.update({f"eval_{k}": v for k, v in metrics.items()})
+                run_log.write(run_log.last_step, epoch + 1,
+                              {f"eval/{k}": v for k, v in metrics.items()})
             history.append(entry)
             if state.is_main_process:
                 print(_format(entry, epochs), flush=True)
@@ -404,6 +416,7 @@ def fit(
             for callback in callbacks:
                 callback(entry)
     finally:
+        run_log.close()
         restore_requires_grad(model, frozen)
     state.barrier()
     return history
@@ -519,11 +532,13 @@ def _global_totals(totals: torch.Tensor, state) -> torch.Tensor:
 
 def _train_epoch(
     wrapped, loader, optimizer, state, epoch, epochs, amp, scaler, max_grad_norm, step_scheduler,
-    progress, resume_at=None, save=None, accumulate=1,
+    progress, resume_at=None, save=None, accumulate=1, log=None,
 ) -> dict:
     """One epoch; ``resume_at`` (``{"step", "totals"}``) continues a mid-epoch checkpoint,
     ``save(epoch, batches, optimizer_steps, totals)`` is offered after every optimizer step
-    but the epoch's last (ranks in lockstep); ``accumulate`` batches make one step."""
+    but the epoch's last (ranks in lockstep); ``accumulate`` batches make one step;
+    ``log`` (a :class:`~merlin_t4r_ops.training.run_log.RunLog`) gets each step's loss and
+    learning rate."""
     skip = resume_at["step"] if resume_at else 0
     placed = _set_epoch(loader, epoch, skip)
     wrapped.train()
@@ -545,6 +560,7 @@ def _train_epoch(
     )
     step_args = (wrapped, optimizer, scaler, max_grad_norm, step_scheduler)
     pending = False
+    window = torch.zeros(2, dtype=torch.float64)  # loss sum and batches since the last step
     optimizer.zero_grad(set_to_none=True)
     with _join(wrapped, state):
         for step, (x, y) in enumerate(bar, start=skip + 1):
@@ -556,9 +572,13 @@ def _train_epoch(
                     loss = rank_loss(output, unwrap_model(wrapped), state if lockstep else None)
                 (scaler.scale(loss / accumulate) if scaler else loss / accumulate).backward()
             pending = not boundary
+            value = float(loss.detach())
+            window += torch.tensor([value, 1.0], dtype=torch.float64)
             if boundary:
                 _optimizer_step(*step_args)
-            value = float(loss.detach())
+                if log is not None:
+                    window = _log_step(log, window, optimizer, state, lockstep, epoch,
+                                       step, n_steps, accumulate)
             if not math.isfinite(value) and state.is_main_process:
                 logger.warning("non-finite training loss %s at epoch %d", value, epoch + 1)
             totals += torch.tensor([value, 1.0, float(_batch_rows(x))], dtype=torch.float64)
@@ -582,6 +602,19 @@ def _train_epoch(
         "train_seconds": seconds,
         "lr": float(optimizer.param_groups[0]["lr"]),
     }
+
+
+def _log_step(log, window, optimizer, state, lockstep, epoch, step, n_steps, accumulate):
+    """Log the mean loss of the step's batches (over all ranks when they step in lockstep)."""
+    if lockstep:  # every rank reaches every step: the all-reduce cannot hang
+        window = _global_totals(window, state)
+    steps_per_epoch = math.ceil(n_steps / accumulate) if n_steps else 0
+    global_step = epoch * steps_per_epoch + math.ceil(step / accumulate)
+    log.write(global_step, epoch + step / max(n_steps or step, 1), {
+        "train/loss": float(window[0] / window[1]),
+        "train/learning_rate": float(optimizer.param_groups[0]["lr"]),
+    })
+    return torch.zeros(2, dtype=torch.float64)
 
 
 def _no_sync(wrapped, state, boundary: bool):

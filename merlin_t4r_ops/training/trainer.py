@@ -343,9 +343,13 @@ class Trainer(T4RTrainer):
                     model, inputs, not (with_metrics or keep_predictions), ignore_keys, testing=testing
                 )
                 if testing:
-                    acc.update({**stats, "predictions": preds, "labels": labels})
+                    # As T4R's loop: task metrics every compute_metrics_each_n_steps batches.
+                    every_n = step % self.args.compute_metrics_each_n_steps == 0
+                    batch_metrics = acc.update({**stats, "predictions": preds, "labels": labels},
+                                               with_metrics=with_metrics and every_n)
                     if preds is not None:
-                        self._log_batch(core, step, preds, labels, next_items, metric_key_prefix)
+                        self._log_batch(core, preds, labels, next_items, metric_key_prefix,
+                                        batch_metrics)
                 elif keep_predictions:
                     top_k = select_top_k(preds, next_items, self.args.predict_top_k, core.top_k)
                     predictions.append(send_to_device(top_k, "cpu"))
@@ -355,9 +359,8 @@ class Trainer(T4RTrainer):
 
         metrics = {}
         if testing:
-            exact = acc.compute()  # a collective under DDP: every rank reaches it
-            keep = exact if with_metrics else {"loss": exact["loss"]}
-            metrics = {f"{metric_key_prefix}_/{k}": v for k, v in keep.items()}
+            computed = acc.compute(with_metrics)  # a collective under DDP: every rank reaches it
+            metrics = {f"{metric_key_prefix}_/{k}": v for k, v in computed.items()}
         return EvalLoopOutput(
             # Same condition on every rank: the gather is a collective.
             predictions=gather_to_main(predictions, self.dist_state) if keep_predictions else None,
@@ -366,13 +369,15 @@ class Trainer(T4RTrainer):
             num_samples=self._global_sum(n_rows),
         )
 
-    def _log_batch(self, core, step, preds, labels, next_items, metric_key_prefix) -> None:
+    def _log_batch(self, core, preds, labels, next_items, metric_key_prefix,
+                   batch_metrics) -> None:
         """T4R's ``args.log_predictions``: a batch's top-k to ``log_predictions_callback``.
 
         As T4R's loop does: only with a top-k (``predict_top_k``, or a model
         whose output is already its top-k), with this rank's labels of the
-        next-item task and the batch's ``model.calculate_metrics`` every
-        ``compute_metrics_each_n_steps`` batches (``None`` in between).
+        next-item task and ``batch_metrics``, the batch's
+        ``model.calculate_metrics`` (``None`` between every
+        ``compute_metrics_each_n_steps`` batches).
         """
         if not (self.args.log_predictions and self.log_predictions_callback and next_items):
             return
@@ -380,10 +385,6 @@ class Trainer(T4RTrainer):
         next_item = top_k[next_items[0]] if isinstance(top_k, dict) else top_k
         if not isinstance(next_item, tuple):  # full scores: T4R logs nothing
             return
-        batch_metrics = None
-        if step % self.args.compute_metrics_each_n_steps == 0:
-            batch_metrics = core.calculate_metrics(preds, labels)
-            core.reset_metrics()  # torchmetrics would otherwise keep every batch's state
         ids, scores = next_item
         labels = labels[next_items[0]] if isinstance(labels, dict) else labels
         self._maybe_log_predictions(labels, ids, scores, batch_metrics, metric_key_prefix)
@@ -419,10 +420,6 @@ class Trainer(T4RTrainer):
             save_model_class=save_model_class and self.dist_state.is_main_process
         )
         self.dist_state.barrier()
-
-    def is_local_process_zero(self) -> bool:
-        """Progress bars and printing only on global rank 0, not once per node."""
-        return self.dist_state.is_main_process
 
 
 # ---- helpers ----------------------------------------------------------------------------------

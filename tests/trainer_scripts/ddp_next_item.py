@@ -71,6 +71,9 @@ def main():
         "model_is_users": trainer.model is model,
         "model_type": type(trainer.model).__name__,
         "global_step": trainer.state.global_step,
+        "process_zero": {"local": trainer.is_local_process_zero(),
+                         "world": trainer.is_world_process_zero(),
+                         "should_save": trainer.args.should_save},
     }
     with open(os.path.join(opts.out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)

@@ -39,6 +39,7 @@ def main():
     parser.add_argument("--stop-after", type=int, default=None)
     parser.add_argument("--masking", default=None)
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--log-dir", default=None)
     args = parser.parse_args()
 
     state = resolve_strategy("auto")
@@ -70,6 +71,7 @@ def main():
             progress=False,
             checkpoint_dir=args.checkpoint_dir and args.checkpoint_dir.format(rank=state.rank),
             resume=args.resume,
+            log_dir=args.log_dir,
         )
     except Preempted:
         torch.distributed.destroy_process_group()
