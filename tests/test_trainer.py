@@ -155,7 +155,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _launch_two_nodes(train, evals, out, timeout=240, script=SCRIPT, script_args=None):
+def _launch_two_nodes(train, evals, out, timeout=600, script=SCRIPT, script_args=None):
     """Two ranks as two simulated *nodes* (LOCAL_RANK 0 on both, RANK 0 and 1), gloo.
 
     ``script`` runs with ``script_args``, by default ``--train TRAIN --eval EVAL --out OUT``.
