@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, TypeVar
 import numpy as np
 
 from merlin.schema import Schema
+from merlin.systems.triton.conversions import tensor_names
 from merlin.table import TensorTable
 from merlin_t4r_ops.errors import InvalidRequestError
 from merlin_t4r_ops.ops.inputs import _lengths_from_offsets
@@ -62,8 +63,7 @@ def request_rows(arrays: Arrays, schema: Schema, *, batch_dim: bool = True) -> R
         are not integers, do not start at 0, decrease, or miss the number of values, and
         inputs that disagree on the number of rows.
     """
-    expected = [name for column in schema for name in (
-        (column.name + VALUES, column.name + OFFSETS) if column.is_ragged else (column.name,))]
+    expected = tensor_names(schema)
     missing = [name for name in expected if name not in arrays]
     if missing:
         raise InvalidRequestError(f"input {missing[0]!r} is missing: the request sent "
