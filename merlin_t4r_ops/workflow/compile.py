@@ -25,6 +25,7 @@ from merlin_t4r_ops.workflow.arrays import (
     NormalizeArrays,
 )
 from merlin_t4r_ops.workflow.executor import GraphPlan
+from merlin_t4r_ops.workflow.groupby import groupby_twin
 
 LOG = logging.getLogger(__name__)
 
@@ -129,6 +130,8 @@ def _twin(node):
         return LogOpArrays(op)
     if type(op) is nvt.ops.Normalize:
         return NormalizeArrays(op)
+    if type(op) is nvt.ops.Groupby:
+        return groupby_twin(op, node)
     return None
 
 
