@@ -13,6 +13,7 @@ import pytest
 from merlin.schema import Tags
 from merlin.table import TensorTable
 
+import tutorial_factories as etl
 from conftest import FAST_DECODED
 from merlin_t4r_ops.errors import UnservableWorkflowError, WorkflowFallbackWarning
 
@@ -148,8 +149,64 @@ def test_a_row_filter_is_refused_with_how_to_serve_without_it(tmp_path):
     with cpu_datasets_quiet():
         workflow.fit(Dataset(df, npartitions=1))
     with pytest.raises(UnservableWorkflowError, match=r"holds a Filter, which drops rows.*serve "
-                                                      r"a workflow without it"):
+                                                      r"a workflow without it: TransformWorkflow"
+                                                      r"\(merlin_t4r_ops.workflow.without_filters"):
         serve_workflow(TransformWorkflow(workflow))
+
+
+def _tutorial_with_filter(directory, rng):
+    """T4R's tutorial ETL with its Filter on the session length (3 events at least)."""
+    from merlin.io import Dataset
+
+    from merlin_t4r_ops.harmless_warnings import cpu_datasets_quiet
+
+    workflow = etl.tutorial_workflow(directory, minimum_length=3, with_count=True)
+    with cpu_datasets_quiet():
+        workflow.fit(Dataset(etl.events(rng, 100, etl.item_catalogue(40)), npartitions=1))
+    return workflow
+
+
+def test_the_export_refuses_the_tutorials_filter(tmp_path):
+    from merlin.systems.dag import Ensemble
+    from merlin.systems.dag.ops.workflow import TransformWorkflow
+
+    from merlin_t4r_ops.runtime import TritonRuntime
+
+    workflow = _tutorial_with_filter(tmp_path, np.random.default_rng(5))
+    ensemble = Ensemble(workflow.input_schema.column_names >> TransformWorkflow(workflow),
+                        workflow.input_schema)
+    with pytest.raises(UnservableWorkflowError, match=r"holds a Filter.*without_filters"):
+        ensemble.export(str(tmp_path / "repository"), runtime=TritonRuntime())
+
+
+def test_without_filters_serves_every_session_on_the_fast_path(tmp_path):
+    from merlin.systems.dag import Ensemble
+    from merlin.systems.dag.ops.workflow import TransformWorkflow
+
+    from merlin_t4r_ops.runtime import TritonRuntime
+    from merlin_t4r_ops.workflow import unknown_ops, without_filters
+
+    rng = np.random.default_rng(5)
+    workflow = _tutorial_with_filter(tmp_path, rng)
+    served = without_filters(workflow)
+    assert unknown_ops(served) == []
+    with pytest.raises(UnservableWorkflowError):  # the user's workflow still filters
+        unknown_ops(workflow)
+    events = etl.events(rng, 300, etl.item_catalogue(60), max_len=8)
+    every = _nvtabular(served, events)
+    _assert_identical(_fast(served, events), every)
+    sessions = every[etl.SESSION].values
+    assert sorted(sessions) == sorted(events[etl.SESSION].unique())
+    # The sessions the Filter keeps come out as the filtering workflow gives them.
+    filtered = _nvtabular(workflow, events)
+    kept = np.isin(sessions, filtered[etl.SESSION].values)
+    assert 0 < kept.sum() < len(sessions)
+    np.testing.assert_array_equal(every["item_id-count"].values[kept],
+                                  filtered["item_id-count"].values)
+    repository = tmp_path / "repository"
+    Ensemble(served.input_schema.column_names >> TransformWorkflow(served),
+             served.input_schema).export(str(repository), runtime=TritonRuntime())
+    assert not (repository / "0_transformworkflowtriton").exists()  # inside the executor
 
 
 def test_the_fast_path_export_runs_the_workflow_inside_the_executor(model_repository):

@@ -6,7 +6,8 @@ array twin over Merlin's ``TensorTable`` (numpy). Merlin's ``LocalExecutor`` sti
 graph, so column selection and merging are NVTabular's; only the per-op pandas work goes.
 :func:`serve_workflow` is the hook the project's runtimes put in Merlin's ``op_table``: the
 compiled operator where every op is known, else NVTabular's ``TransformWorkflowTriton``,
-with a warning that names the ops it does not know.
+with a warning that names the ops it does not know. A workflow that filters rows is refused;
+:func:`without_filters` is the explicit way to serve it, every row passed.
 """
 
 from merlin_t4r_ops.workflow.compile import (
@@ -15,5 +16,7 @@ from merlin_t4r_ops.workflow.compile import (
     serve_workflow,
     unknown_ops,
 )
+from merlin_t4r_ops.workflow.filters import without_filters
 
-__all__ = ["CompiledWorkflow", "compile_workflow", "serve_workflow", "unknown_ops"]
+__all__ = ["CompiledWorkflow", "compile_workflow", "serve_workflow", "unknown_ops",
+           "without_filters"]

@@ -17,7 +17,7 @@ from merlin.dag.ops import (
 from merlin.systems.dag.ops.workflow import TransformWorkflow
 from merlin.table import TensorTable
 
-from merlin_t4r_ops.errors import UnservableWorkflowError, WorkflowFallbackWarning
+from merlin_t4r_ops.errors import WorkflowFallbackWarning
 from merlin_t4r_ops.workflow.arrays import (
     CategorifyArrays,
     ListSliceArrays,
@@ -25,6 +25,7 @@ from merlin_t4r_ops.workflow.arrays import (
     NormalizeArrays,
 )
 from merlin_t4r_ops.workflow.executor import GraphPlan
+from merlin_t4r_ops.workflow.filters import KeepEveryRow, refuse_filters
 from merlin_t4r_ops.workflow.groupby import groupby_twin
 
 LOG = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ LOG = logging.getLogger(__name__)
 # Ops whose transform leaves the data as it is or only picks and names columns: Merlin's
 # own, which run on a TensorTable unchanged.
 _AS_THEY_ARE = (SelectionOp, GroupingOp, ConcatColumns, SubsetColumns, SubtractionOp, Rename,
-                nvt.ops.Rename, nvt.ops.AddMetadata, nvt.ops.ValueCount)
+                nvt.ops.Rename, nvt.ops.AddMetadata, nvt.ops.ValueCount, KeepEveryRow)
 
 
 class CompiledWorkflow(TransformWorkflow):
@@ -67,16 +68,12 @@ def unknown_ops(workflow) -> list:
     Raises
     ------
     UnservableWorkflowError
-        The workflow filters rows (``Filter``): a served request is answered row for row.
+        The workflow filters rows (``Filter``): a served request is answered row for row
+        (:func:`~merlin_t4r_ops.workflow.filters.without_filters` serves it without them).
     """
+    refuse_filters(workflow)
     unknown = []
     for node in postorder_iter_nodes(workflow.output_node):
-        if isinstance(node.op, nvt.ops.Filter):
-            raise UnservableWorkflowError(
-                "the workflow holds a Filter, which drops rows, but a served request is "
-                "answered row for row; serve a workflow without it (build the serving "
-                "workflow from the same fitted ops minus the Filter, or filter the "
-                "requests before they are sent)")
         if _twin(node) is None and not (node.op is None or isinstance(node.op, _AS_THEY_ARE)):
             unknown.append(_describe(node.op))
     return unknown
