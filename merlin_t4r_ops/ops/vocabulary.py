@@ -185,8 +185,16 @@ def _categorify_of(workflow, column: str):
     return categorify, encoded
 
 
-def _read_unique_values(categorify, column: str):
-    """``(first encoded id, raw ids in encoded order)`` from Categorify's unique-values file."""
+def unique_values(categorify, column: str):
+    """Categorify's unique-values table of ``column`` as written at fit: a pandas Series of
+    the raw values, indexed as stored (the row index is the encoded id; see
+    :func:`_read_unique_values` for a table whose index starts inside the reserved ids).
+
+    Raises
+    ------
+    SchemaMismatchError
+        ``categorify`` is not fitted.
+    """
     import pandas as pd
 
     storage = categorify.storage_name.get(column, column)
@@ -195,10 +203,15 @@ def _read_unique_values(categorify, column: str):
         raise SchemaMismatchError(
             f"the Categorify of column {column!r} is not fitted: call workflow.fit first"
         )
-    values = pd.read_parquet(path, columns=[storage])[storage]
+    return pd.read_parquet(path, columns=[storage])[storage]
+
+
+def _read_unique_values(categorify, column: str):
+    """``(first encoded id, raw ids in encoded order)`` from Categorify's unique-values file."""
+    values = unique_values(categorify, column)
     buckets = categorify.num_buckets
     if isinstance(buckets, dict):
-        buckets = buckets.get(storage)
+        buckets = buckets.get(values.name)  # the storage name
     first_id = _OOV_OFFSET + (buckets or 1)
     labels = values.index.to_numpy()
     # NVTabular's own _encode shifts a table whose index starts inside the reserved range
@@ -206,7 +219,8 @@ def _read_unique_values(categorify, column: str):
     if len(labels) and labels[0] < first_id:
         labels = labels + first_id
     if len(labels) and not np.array_equal(labels, np.arange(labels[0], labels[0] + len(labels))):
-        raise SchemaMismatchError(f"the unique-values table {path} has non-contiguous ids")
+        raise SchemaMismatchError(
+            f"the unique-values table of column {column!r} has non-contiguous ids")
     raw_ids = values.to_numpy()
     if raw_ids.dtype == object and not all(isinstance(value, str) for value in raw_ids):
         raise SchemaMismatchError(

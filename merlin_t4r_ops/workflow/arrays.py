@@ -90,9 +90,10 @@ class CategorifyArrays(_ArrayTwin):
 
 def _vocabulary(op, name):
     """(sorted raw values, their ids) of one column of a fitted ``Categorify``."""
-    storage = op.storage_name.get(name, name)
-    table = pd.read_parquet(op.categories[storage])
-    raw = table[storage].dropna().reset_index(drop=True)
+    # Imported here: the operators' package (torch) stays out of a workflow's unpickling.
+    from merlin_t4r_ops.ops.vocabulary import unique_values
+
+    raw = unique_values(op, name).dropna().reset_index(drop=True)
     ids = op.transform(ColumnSelector([name]), pd.DataFrame({name: raw}))[name].to_numpy()
     values = raw.to_numpy()
     if values.dtype.kind == "O":
