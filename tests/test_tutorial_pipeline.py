@@ -6,7 +6,9 @@ Groupby, ListSlice, Rename, tags, ValueCount) -> ``schema.pbtxt`` read with
 the project's ``Trainer`` through ``T4RecTrainingArguments`` and ``train_dataset_or_path`` ->
 ``TransformWorkflow >> PredictT4RPyTorch(top_k, exclude_seen=True) >> DecodeItemIds``,
 exported with Merlin's ``Ensemble.export`` and served from a repository of its own (Merlin
-names every workflow model ``0_transformworkflowtriton``).
+names every workflow model ``0_transformworkflowtriton``). The same graph is exported beside
+it with ``TritonRuntime``, whose workflow fast path runs the whole ETL, Groupby included,
+inside the executor model; both must answer as the eager model does.
 
 The tutorial's ``Filter`` on the session length is left out of the served workflow: a
 request whose session is shorter would get no row back. No input is tagged TARGET, as in the
@@ -17,6 +19,7 @@ the item table and every id of the session is set to minus infinity, ``torch.top
 
 import glob
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +32,9 @@ from merlin_t4r_ops.serving.client import infer_dataframe
 
 TOP_K = 10
 KNOWN, UNKNOWN = 60, 20  # items in the training events; items only requests hold
+# The same graph exported with TritonRuntime: the ETL, Groupby included, on the workflow fast
+# path inside the executor model (Merlin's own export is ``executor_model``).
+FAST = "tutorial_fast"
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +49,8 @@ def tutorial_serving(tmp_path_factory):
     from transformers4rec.config.trainer import T4RecTrainingArguments
 
     from merlin_t4r_ops import DecodeItemIds, PredictT4RPyTorch
+    from merlin_t4r_ops.errors import WorkflowFallbackWarning
+    from merlin_t4r_ops.runtime import TritonRuntime
     from merlin_t4r_ops.serving import triton_server
     from merlin_t4r_ops.training import Trainer
 
@@ -66,11 +74,17 @@ def tutorial_serving(tmp_path_factory):
     assert result.global_step == 3 and math.isfinite(result.training_loss)
     model.eval()
 
-    served = workflow.input_schema.column_names >> TransformWorkflow(workflow)
-    answer = (served >> PredictT4RPyTorch(model, top_k=TOP_K, exclude_seen=True)
-              >> DecodeItemIds(workflow)) + served[etl.SESSION]
+    def ensemble():
+        served = workflow.input_schema.column_names >> TransformWorkflow(workflow)
+        answer = (served >> PredictT4RPyTorch(model, top_k=TOP_K, exclude_seen=True)
+                  >> DecodeItemIds(workflow)) + served[etl.SESSION]
+        return Ensemble(answer, workflow.input_schema)
+
     repository = directory / "model_repository"
-    Ensemble(answer, workflow.input_schema).export(str(repository))
+    ensemble().export(str(repository))  # Merlin's export: NVTabular in a model of its own
+    with warnings.catch_warnings():  # the whole ETL compiles: no fallback to NVTabular
+        warnings.simplefilter("error", WorkflowFallbackWarning)
+        ensemble().export(str(repository), name=FAST, runtime=TritonRuntime())
     with triton_server(repository) as server:
         yield server.client(), workflow, model, catalogue
 
@@ -114,14 +128,16 @@ def _requests(catalogue, n_requests: int = 8, sessions_each: int = 5):
                        max_len=etl.MAX_LEN) for n in range(n_requests)]
 
 
-def test_the_tutorial_pipeline_is_served_as_the_eager_model_answers(tutorial_serving):
+@pytest.mark.parametrize("model_name", ["executor_model", FAST], ids=["nvtabular", "fast-path"])
+def test_the_tutorial_pipeline_is_served_as_the_eager_model_answers(tutorial_serving,
+                                                                     model_name):
     client, workflow, model, catalogue = tutorial_serving
     unknown = set(catalogue[KNOWN:])
     vocabulary = set(_unique_table(workflow, "item_id"))
     answered = 0
     for request in _requests(catalogue):
         assert set(request["item_id"]) & unknown  # the requests do hold unknown items
-        got = infer_dataframe(client, request)
+        got = infer_dataframe(client, request, model_name=model_name)
         assert sorted(got[etl.SESSION]) == sorted(request[etl.SESSION].unique())
         expected = _reference(workflow, model, request)
         for session, ids, scores in zip(got[etl.SESSION], got["item_ids"],
