@@ -66,11 +66,11 @@ class GroupbyArrays(_ArrayTwin):
         groups = _groups([columns[name] for name in self.keys], order)
         if groups is None:
             return self._by_nvtabular(table)
-        members, offsets, key_rows = groups
-        first, last = members[offsets[:-1]], members[offsets[1:] - 1]
-        if not self.op.ascending:  # NVTabular's _first_or_last: first is the list's end
-            first, last = last, first
-        output = {name: _scalar(columns[name][key_rows], dtypes[name]) for name in self.keys}
+        members, offsets = groups
+        starts, ends = members[offsets[:-1]], members[offsets[1:] - 1]
+        output = {name: _scalar(columns[name][starts], dtypes[name]) for name in self.keys}
+        # NVTabular's _first_or_last: with ascending=False, first is the list's end.
+        first, last = (starts, ends) if self.op.ascending else (ends, starts)
         for name, source, agg in self.aggregations:
             values = columns[source]
             if agg == "list":
@@ -145,8 +145,8 @@ def _groups(keys, order):
     """pandas' ``groupby(keys, sort=True, dropna=True)`` of the rows in ``order``.
 
     Returns (rows of the groups one after the other, each group's rows in ``order``; the
-    groups' offsets into them; one row of each group, for its keys), or None where no row
-    has a key or the combined key would not fit an int64.
+    groups' offsets into them), or None where no row has a key or the combined key would not
+    fit an int64.
     """
     combined, size = np.zeros(len(order), dtype=np.int64), 1
     valid = np.ones(len(order), dtype=bool)
@@ -163,4 +163,4 @@ def _groups(keys, order):
     _, group_of_row = np.unique(combined[rows], return_inverse=True)
     members = rows[np.argsort(group_of_row, kind="stable")]
     offsets = np.concatenate([[0], np.cumsum(np.bincount(group_of_row))]).astype(np.int64)
-    return members, offsets, members[offsets[:-1]]
+    return members, offsets
