@@ -1,15 +1,18 @@
-"""No Merlin loader thread outlives a pass over the data, however the pass ends.
+"""Nothing that reads ahead outlives a pass over the data, however the pass ends.
 
-Merlin's ``Loader`` reads ahead in a thread ("Thread-N (load_chunks)") that blocks on a
+Merlin's ``Loader`` read ahead in a thread ("Thread-N (load_chunks)") that blocked on a
 one-chunk queue, so a pass abandoned early (``max_steps``, the unused-parameter probe,
-``eval_steps_on_train_set``) left it spinning for the life of the process. The data is
-T4R's packaged ``tabular_sequence_testing_data`` (1,000 sessions) in 4 partitions: more
-chunks than the queue holds.
+``eval_steps_on_train_set``) left it spinning for the life of the process. The columnar
+loader reads ahead in ``DataLoader`` worker processes (and a pin-memory thread on CUDA):
+they must end with the pass too. The data is T4R's packaged
+``tabular_sequence_testing_data`` (1,000 sessions) in 4 partitions.
 """
 
+import multiprocessing
 import os
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -28,9 +31,21 @@ four_partitions = factories.testing_dataset
 next_item_model = factories.testing_model
 
 
+READ_AHEAD = ("load_chunks", "_pin_memory_loop")  # Merlin's reader, DataLoader's pinning
+
+
 def reader_threads(before=()):
-    """Merlin loader threads alive now that were not in ``before``."""
-    return [t for t in threading.enumerate() if "load_chunks" in t.name and t not in before]
+    """Threads and child processes that read ahead, alive now and not in ``before``."""
+    threads = [t for t in threading.enumerate() if any(n in t.name for n in READ_AHEAD)]
+    return [r for r in threads + multiprocessing.active_children() if r not in before]
+
+
+def readers_gone(before, timeout=60.0):
+    """Wait (bounded) until every reader started since ``before`` has ended; return those left."""
+    deadline = time.monotonic() + timeout
+    while reader_threads(before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return reader_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +66,11 @@ def test_trainer_max_steps_and_repeated_evaluation_leave_no_reader_thread(frame,
         compute_metrics=True,
     )
     trainer.train()  # stops after 3 of 63 batches
-    assert reader_threads(before) == []
+    assert readers_gone(before) == []
     for _ in range(2):
         trainer.evaluate()
     trainer.evaluate(four_partitions(frame), metric_key_prefix="train")  # 2 batches of 63
-    assert reader_threads(before) == []
+    assert readers_gone(before) == []
 
 
 def test_fit_probe_and_evaluate_leave_no_reader_thread(frame, tmp_path):
@@ -67,29 +82,33 @@ def test_fit_probe_and_evaluate_leave_no_reader_thread(frame, tmp_path):
         model = next_item_model()
         fit(model, four_partitions(frame), eval_data=four_partitions(frame), epochs=1,
             batch_size=128, strategy=state, seed=0, progress=False)
-        assert reader_threads(before) == []
+        assert readers_gone(before) == []
         for _ in range(2):
             evaluate(model, four_partitions(frame), strategy=state, batch_size=128)
-        assert reader_threads(before) == []
+        assert readers_gone(before) == []
     finally:
         dist.destroy_process_group()
 
 
-def test_an_abandoned_pass_ends_its_thread_when_closed_or_collected(frame):
+def test_an_abandoned_pass_ends_its_workers_when_closed_or_collected(frame):
     state = DistributedState("single", 0, 0, 1, torch.device("cpu"), "test")
-    loader = make_loader(four_partitions(frame), next_item_model(), state, batch_size=16)
+    loader = make_loader(four_partitions(frame), next_item_model(), state, batch_size=16,
+                         num_workers=2)
     before = reader_threads()
     with iter(loader) as batches:
         next(batches)
-        assert len(reader_threads(before)) == 1
-    assert reader_threads(before) == []
+        assert len(reader_threads(before)) == 2  # the two workers
+    assert readers_gone(before) == []
 
     batches = iter(loader)
     next(batches)
     del batches  # garbage-collected: closed too
-    assert reader_threads(before) == []
+    assert readers_gone(before) == []
 
     batches = iter(loader)
     next(batches)
     loader.close()  # every open pass of the loader
-    assert reader_threads(before) == [] and next(batches, None) is None
+    assert readers_gone(before) == [] and next(batches, None) is None
+
+    assert len(list(loader)) == len(loader)  # a pass read to its end leaves nothing either
+    assert readers_gone(before) == []

@@ -51,6 +51,9 @@ class DistributedState:
         Devices this process computes on: the GPUs ``DataParallel`` splits each
         batch over under ``"dp"``, else 1. A per-device batch size times this
         is the batch one process loads.
+    local_world_size : int
+        Processes of this run on this node (torchrun's ``LOCAL_WORLD_SIZE``); they
+        share the node's cores, hence the dataloader workers.
     """
 
     strategy: str
@@ -60,6 +63,7 @@ class DistributedState:
     device: torch.device
     reason: str
     n_devices: int = 1
+    local_world_size: int = 1
 
     @property
     def is_main_process(self) -> bool:
@@ -143,6 +147,7 @@ def resolve_strategy(strategy: str = "auto") -> DistributedState:
     env_rank = _env_int(env, "RANK")
     env_world = _env_int(env, "WORLD_SIZE")
     env_local = _env_int(env, "LOCAL_RANK")
+    env_local_world = _env_int(env, "LOCAL_WORLD_SIZE")
     launched = env_rank is not None and env_world is not None
     pg_ready = dist.is_available() and dist.is_initialized()
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -174,7 +179,8 @@ def resolve_strategy(strategy: str = "auto") -> DistributedState:
             "dp", 0, 0, 1, torch.device("cuda:0"), reason + f"; {n_gpus} GPUs", n_devices=n_gpus
         )
     else:
-        state = _resolve_ddp(env_rank, env_world, env_local, launched, pg_ready, n_gpus, reason)
+        state = _resolve_ddp(env_rank, env_world, env_local, launched, pg_ready, n_gpus, reason,
+                             env_local_world)
 
     if state.is_main_process:
         logger.info(
@@ -187,7 +193,8 @@ def resolve_strategy(strategy: str = "auto") -> DistributedState:
     return state
 
 
-def _resolve_ddp(env_rank, env_world, env_local, launched, pg_ready, n_gpus, reason):
+def _resolve_ddp(env_rank, env_world, env_local, launched, pg_ready, n_gpus, reason,
+                 env_local_world=None):
     if not dist.is_available():
         raise StrategyError("strategy='ddp' needs torch.distributed, which this torch build lacks")
     if not launched and not pg_ready:
@@ -218,7 +225,10 @@ def _resolve_ddp(env_rank, env_world, env_local, launched, pg_ready, n_gpus, rea
     else:
         device = torch.device("cpu")
     backend_used = dist.get_backend()
-    return DistributedState("ddp", rank, local, world, device, f"{reason}; backend {backend_used}")
+    # Without torchrun's count, assume every rank shares this node (the fewer workers each).
+    local_world = env_local_world or world
+    return DistributedState("ddp", rank, local, world, device, f"{reason}; backend {backend_used}",
+                            local_world_size=local_world)
 
 
 def prepare_model(
