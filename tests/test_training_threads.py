@@ -53,12 +53,15 @@ def frame():
     return factories.testing_frame()
 
 
-def test_trainer_max_steps_and_repeated_evaluation_leave_no_reader_thread(frame, tmp_path):
+def test_trainer_max_steps_and_repeated_evaluation_leave_no_reader(frame, tmp_path):
     before = reader_threads()
+    model, alive = next_item_model(), []
+    # While the model runs, the pass's two workers read ahead.
+    model.register_forward_pre_hook(lambda *_: alive.append(len(reader_threads(before))))
     trainer = Trainer(
-        model=next_item_model(),
+        model=model,
         args=make_args(str(tmp_path), max_sequence_length=MAX_LEN, max_steps=3,
-                       eval_steps_on_train_set=2),
+                       eval_steps_on_train_set=2, dataloader_num_workers=2),
         strategy="single",
         schema=SCHEMA,
         train_dataset_or_path=four_partitions(frame),
@@ -71,21 +74,24 @@ def test_trainer_max_steps_and_repeated_evaluation_leave_no_reader_thread(frame,
         trainer.evaluate()
     trainer.evaluate(four_partitions(frame), metric_key_prefix="train")  # 2 batches of 63
     assert readers_gone(before) == []
+    assert max(alive) == 2, alive
 
 
-def test_fit_probe_and_evaluate_leave_no_reader_thread(frame, tmp_path):
+def test_fit_probe_and_evaluate_leave_no_reader(frame, tmp_path):
     before = reader_threads()
     # A real gloo group of one rank, so that fit runs its unused-parameter probe (DDP only).
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         state = DistributedState("ddp", 0, 0, 1, torch.device("cpu"), "one gloo rank")
-        model = next_item_model()
+        model, alive = next_item_model(), []
+        model.register_forward_pre_hook(lambda *_: alive.append(len(reader_threads(before))))
         fit(model, four_partitions(frame), eval_data=four_partitions(frame), epochs=1,
-            batch_size=128, strategy=state, seed=0, progress=False)
+            batch_size=128, strategy=state, seed=0, progress=False, num_workers=2)
         assert readers_gone(before) == []
         for _ in range(2):
-            evaluate(model, four_partitions(frame), strategy=state, batch_size=128)
+            evaluate(model, four_partitions(frame), strategy=state, batch_size=128, num_workers=2)
         assert readers_gone(before) == []
+        assert max(alive) == 2, alive
     finally:
         dist.destroy_process_group()
 

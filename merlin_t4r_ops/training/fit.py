@@ -108,6 +108,8 @@ def evaluate(
     eval_data,
     *,
     strategy: Union[str, DistributedState] = "auto",
+    num_workers: Optional[int] = None,
+    pin_memory: Optional[bool] = None,
     batch_size: int = 32,
     amp: bool = False,
 ) -> dict:
@@ -121,6 +123,8 @@ def evaluate(
     eval_data : path(s), merlin.io.Dataset or iterable of (x, y)
         See :func:`fit`.
     strategy : str or DistributedState
+    num_workers, pin_memory : optional
+        See :func:`fit`.
     batch_size : int
         Per-device batch size (times the GPU count under DataParallel).
     amp : bool
@@ -133,7 +137,8 @@ def evaluate(
         :class:`~merlin_t4r_ops.training.metrics.MetricAccumulator`).
     """
     state = _state(strategy)
-    loader = make_loader(eval_data, model, state, batch_size=batch_size, shuffle=False)
+    loader = make_loader(eval_data, model, state, batch_size=batch_size, shuffle=False,
+                         num_workers=num_workers, pin_memory=pin_memory)
     model = unwrap_model(model)
     if state.strategy == "dp":
         # Re-wrapped even if the caller's was DataParallel: replicas must return loss sums.
@@ -204,6 +209,8 @@ def fit(
     progress: bool = True,
     callbacks: Sequence[Callable[[dict], None]] = (),
     log_dir=None,
+    num_workers: Optional[int] = None,
+    pin_memory: Optional[bool] = None,
 ) -> List[dict]:
     """Train ``model`` in place; return the per-epoch history.
 
@@ -295,6 +302,14 @@ def fit(
         ``tensorboard`` package is installed, TensorBoard events under
         ``runs/``. None (the default) logs nothing. Kept apart from
         ``checkpoint_dir``, which may be node-local and holds ``last.pt`` only.
+    num_workers : int, optional
+        Worker processes per rank that read, convert and pad batches ahead of the
+        step, for the loaders ``fit`` builds. Default
+        :func:`~merlin_t4r_ops.training.data.default_num_workers`: 0 on a CPU,
+        ``min(4, cores // local_world_size)`` on CUDA.
+    pin_memory : bool, optional
+        Page-locked batches (CUDA only), copied to the device with
+        ``non_blocking=True``. Default: on CUDA.
 
     Returns
     -------
@@ -335,11 +350,14 @@ def fit(
         seed=seed or 0,
         drop_last=drop_last,
         equal_shards=True,  # every rank takes the same optimizer steps
+        num_workers=num_workers,
+        pin_memory=pin_memory,
     )
     eval_loader = None
     if eval_data is not None:
         eval_loader = make_loader(
-            eval_data, model, state, batch_size=eval_batch_size or batch_size, shuffle=False
+            eval_data, model, state, batch_size=eval_batch_size or batch_size, shuffle=False,
+            num_workers=num_workers, pin_memory=pin_memory,
         )
     if lr_scheduler is not None and (
         optimizer is None or getattr(lr_scheduler, "optimizer", None) is not optimizer

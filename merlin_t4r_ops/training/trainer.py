@@ -173,6 +173,9 @@ class Trainer(T4RTrainer):
             drop_last=self.args.dataloader_drop_last,
             # Every optimizer step is a collective: ranks need equal batch counts.
             equal_shards=split == "train",
+            # Hugging Face's own loader options, read as its DataLoader reads them.
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
         )
         self._loaders.add(loader)
         return loader
@@ -232,6 +235,13 @@ class Trainer(T4RTrainer):
         return len(dataloader) * dataloader.batch_size
 
     # ---- training and evaluation steps ---------------------------------------------------
+
+    def _prepare_input(self, data):
+        """Hugging Face's, with tensors copied ``non_blocking``: from the loader's pinned
+        memory the copy then overlaps the GPU's work (DeepSpeed's dtype casts stay its own)."""
+        if isinstance(data, torch.Tensor) and not self.is_deepspeed_enabled:
+            return data.to(self.args.device, non_blocking=True)
+        return super()._prepare_input(data)
 
     def _wrap_model(self, model, training=True, dataloader=None):
         """Hugging Face's wrapping, except DataParallel replicas return exact loss sums."""
