@@ -63,14 +63,21 @@ def test_parquet_batches_equal_merlin_loaders_for_every_rank(
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_a_resumed_pass_equals_the_rest_of_merlins(uneven_files, num_workers):
+def test_a_resumed_pass_is_the_rest_of_the_uninterrupted_one(uneven_files, num_workers):
     dataset = as_dataset(uneven_files)
     for rank in range(2):
         loader = ShardedLoader(dataset, rank_of_two(rank), 16, ["item_id-list"], ["click"],
                                max_sequence_length=10, shuffle=True, seed=5,
                                equal_shards=True, num_workers=num_workers)
+        loader.set_epoch(2)
+        uninterrupted = list(loader)
         for skip in (1, 3, len(loader)):
             assert_same_batches(loader, 2, skip)
+            loader.set_epoch(2, skip_batches=skip)
+            resumed = list(loader)
+            assert len(resumed) == len(uninterrupted) - skip
+            assert all(identical(a[0], b[0]) and identical(a[1], b[1])
+                       for a, b in zip(resumed, uninterrupted[skip:]))
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -84,3 +91,14 @@ def test_a_dataset_over_a_dataframe_equals_merlins(num_workers):
                                seed=1, num_workers=num_workers)
         for epoch in (0, 1):
             assert_same_batches(loader, epoch)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_pass_leaves_torchs_global_random_stream_alone(uneven_files, num_workers):
+    # A DataLoader's iterator draws its base seed from torch's global RNG unless given a
+    # generator: one draw a pass would move an MLM model's masks (and a resumed run's).
+    loader = ShardedLoader(as_dataset(uneven_files), rank_of_two(0), 16, ["item_id-list"],
+                           ["click"], shuffle=True, num_workers=num_workers)
+    before = torch.get_rng_state()
+    assert len(list(loader)) == len(loader)
+    assert torch.equal(torch.get_rng_state(), before)

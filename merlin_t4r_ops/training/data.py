@@ -425,6 +425,9 @@ class ShardedLoader:
         workers = min(self.num_workers, len(batches))  # a worker without a batch costs a start
         loader = torch.utils.data.DataLoader(
             batches, batch_size=None, num_workers=workers, pin_memory=self.pin_memory,
+            # Its own generator: each pass would otherwise draw a seed from torch's global
+            # RNG, moving the model's random stream (MLM masks, dropout) by one draw a pass.
+            generator=torch.Generator(),
         )
         return iter(loader)
 
