@@ -542,7 +542,7 @@ def _set_epoch(loader, epoch: int, skip: int = 0) -> bool:
 def _global_totals(totals: torch.Tensor, state) -> torch.Tensor:
     """``totals`` summed over the ranks (a collective under DDP)."""
     if not state.is_distributed:
-        return totals.clone()
+        return totals.to("cpu", copy=True)
     summed = totals.to(state.device, copy=True)  # on the CPU .to() would alias totals
     dist.all_reduce(summed, op=dist.ReduceOp.SUM)
     return summed.cpu()
@@ -560,9 +560,12 @@ def _train_epoch(
     skip = resume_at["step"] if resume_at else 0
     placed = _set_epoch(loader, epoch, skip)
     wrapped.train()
-    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, batches, rows
+    # On the device, read at logging steps and the epoch's end: reading a loss each step
+    # would wait for the GPU to finish it before the next batch could be queued.
+    totals = torch.zeros(3, dtype=torch.float64, device=state.device)  # loss sum, batches, rows
     if resume_at and state.is_main_process:
-        totals += resume_at["totals"]  # all ranks' totals so far, counted once
+        totals += resume_at["totals"].to(state.device)  # all ranks' totals so far, counted once
+    non_finite = torch.zeros((), dtype=torch.int64, device=state.device)
     start = time.perf_counter()
     n_local, n_steps, lockstep = _step_count(loader, state)
     batches = _even_batches(loader, n_local, n_steps, done=skip if placed else 0)
@@ -578,7 +581,7 @@ def _train_epoch(
     )
     step_args = (wrapped, optimizer, scaler, max_grad_norm, step_scheduler)
     pending = False
-    window = torch.zeros(2, dtype=torch.float64)  # loss sum and batches since the last step
+    window = torch.zeros(2, dtype=torch.float64, device=state.device)  # since the last step
     optimizer.zero_grad(set_to_none=True)
     with _join(wrapped, state):
         for step, (x, y) in enumerate(bar, start=skip + 1):
@@ -590,22 +593,28 @@ def _train_epoch(
                     loss = rank_loss(output, unwrap_model(wrapped), state if lockstep else None)
                 (scaler.scale(loss / accumulate) if scaler else loss / accumulate).backward()
             pending = not boundary
-            value = float(loss.detach())
-            window += torch.tensor([value, 1.0], dtype=torch.float64)
+            value = loss.detach().to(torch.float64)
+            window[0] += value
+            window[1] += 1.0
             if boundary:
                 _optimizer_step(*step_args)
                 if log is not None:
                     window = _log_step(log, window, optimizer, state, lockstep, epoch,
                                        step, n_steps, accumulate)
-            if not math.isfinite(value) and state.is_main_process:
-                logger.warning("non-finite training loss %s at epoch %d", value, epoch + 1)
-            totals += torch.tensor([value, 1.0, float(_batch_rows(x))], dtype=torch.float64)
-            bar.set_postfix(loss=f"{value:.4f}")
+            non_finite += ~torch.isfinite(value)
+            totals[0] += value
+            totals[1] += 1.0
+            totals[2] += float(_batch_rows(x))
+            if not bar.disable and step % _POSTFIX_EVERY == 0:
+                bar.set_postfix(loss=f"{float(value):.4f}")
             if save is not None and lockstep and boundary and step != n_steps:
                 save(epoch, step, step // accumulate, totals)
         if pending:  # a loader without len(): its last batches still make a step
             _optimizer_step(*step_args)
     bar.close()
+    if int(non_finite) and state.is_main_process:
+        logger.warning("non-finite training loss at %d batches of epoch %d", int(non_finite),
+                       epoch + 1)
     totals = _global_totals(totals, state)
     seconds = time.perf_counter() - start
     if state.is_distributed:
@@ -632,7 +641,10 @@ def _log_step(log, window, optimizer, state, lockstep, epoch, step, n_steps, acc
         "train/loss": float(window[0] / window[1]),
         "train/learning_rate": float(optimizer.param_groups[0]["lr"]),
     })
-    return torch.zeros(2, dtype=torch.float64)
+    return torch.zeros(2, dtype=torch.float64, device=state.device)
+
+
+_POSTFIX_EVERY = 50  # steps between the progress bar's loss readings (each a host sync)
 
 
 def _no_sync(wrapped, state, boundary: bool):
