@@ -18,8 +18,9 @@ from merlin.systems.dag.runtimes.triton import TritonExecutorRuntime
 from merlin_t4r_ops.errors import T4ROpsError
 from merlin_t4r_ops.ops.cuda_graphs import DEFAULT_BUCKETS
 from merlin_t4r_ops.runtime.instances import instance_group
-from merlin_t4r_ops.runtime.rowwise import cross_row_ops
+from merlin_t4r_ops.runtime.rowwise import cross_row_ops, served_workflows
 from merlin_t4r_ops.workflow import serve_workflow
+from merlin_t4r_ops.workflow.filters import refuse_filters
 
 __all__ = ["TritonRuntime", "BatchingTritonRuntime"]
 
@@ -48,7 +49,8 @@ class TritonRuntime(TritonExecutorRuntime):
     compile_workflows : bool
         Run each ``TransformWorkflow`` inside the executor through the fast path
         (:mod:`merlin_t4r_ops.workflow`) where all its ops have one; else, and with False,
-        as Merlin does: NVTabular in a Triton model of its own.
+        as Merlin does: NVTabular in a Triton model of its own. A workflow that filters
+        rows is refused either way (:func:`merlin_t4r_ops.workflow.without_filters`).
 
     Examples
     --------
@@ -61,6 +63,19 @@ class TritonRuntime(TritonExecutorRuntime):
         self.instance_group = instance_group(instances, instance_kind, gpus)
         if compile_workflows:  # Merlin's hook: a copy of its table, TransformWorkflow remapped
             self.op_table = {**self.op_table, TransformWorkflow: serve_workflow}
+
+    def export(self, ensemble, path, version=1, name=None):
+        """Merlin's export, once no workflow of ``ensemble`` filters rows.
+
+        Raises
+        ------
+        UnservableWorkflowError
+            A workflow holds NVTabular's ``Filter``: a request is answered row for row, and
+            NVTabular would drop rows silently (with ``compile_workflows=False`` too).
+        """
+        for workflow in served_workflows(ensemble):
+            refuse_filters(workflow)
+        return super().export(ensemble, path, version=version, name=name)
 
     def _executor_model_export(self, path, export_name, ensemble, params=None, node_id=None,
                                version=1):
