@@ -245,7 +245,11 @@ def run(args):
                     before = {m: bench.triton_stats(client, m) for m in models}
                     cell_args = args if concurrency == 1 else bench.batch1_budget(args, concurrency)
                     cells = bench.measure_cell(makers, batch, concurrency, cell_args)
-                    after = {m: bench.triton_stats(client, m) for m in models}
+                    sent = {PATHS[path]: cells[path]["requests"] for path in args.paths}
+                    if "endpoint" in args.paths:  # its workflow model answers each of them
+                        sent["0_transformworkflowtriton"] = sent[PATHS["endpoint"]]
+                    after = {m: bench.triton_stats(client, m, before[m], sent.get(m, 0))
+                             for m in models}
                     for path, cell in cells.items():
                         lines.append((path, batch, concurrency, cell))
                         print(format_row(path, batch, concurrency, cell), flush=True)

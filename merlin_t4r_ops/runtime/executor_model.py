@@ -77,7 +77,7 @@ class TritonPythonModel(MerlinExecutorModel):
                 sent = {tensor.name() for tensor in request.inputs()}
                 arrays = {name: _array_from_triton_tensor(request, name)
                           for name in self.input_names if name in sent}
-                rows = request_rows(arrays, self.ensemble.input_schema,
+                rows = request_rows(arrays, self.ensemble.input_schema, self.input_names,
                                     batch_dim=self.batch_dim)
             except Exception as exc:  # noqa: BLE001 - the request is answered with it
                 responses[index] = self._error_response(exc)
