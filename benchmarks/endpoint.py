@@ -212,7 +212,7 @@ def run(args):
     import torch
 
     from merlin_t4r_ops.serving import triton_server
-    from merlin_t4r_ops.serving.client import _input_specs, model_metadata
+    from merlin_t4r_ops.serving.client import model_spec
     from merlin_t4r_ops.serving.triton_env import stub_threads
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -226,7 +226,7 @@ def run(args):
         ensembles = export(workflow, model, args, device, str(repo))
         with triton_server(repo, timeout=600) as server:
             client = server.client()
-            specs = {path: _input_specs(model_metadata(client, PATHS[path]))[0]
+            specs = {path: model_spec(client, PATHS[path]).dtypes
                      for path in args.paths}
             models = [PATHS[path] for path in args.paths] + (
                 ["0_transformworkflowtriton"] if "endpoint" in args.paths else [])
