@@ -9,14 +9,19 @@ Three ensembles in one tritonserver, measured side by side in one run, rounds al
                      categories) >> ``PredictT4RPyTorch(top_k, exclude_seen=True)`` >>
                      ``DecodeItemIds``, exported as Merlin does: NVTabular in a Triton model
                      of its own (``0_transformworkflowtriton``);
-* ``endpoint-fast``  the same graph exported with ``merlin_t4r_ops.runtime.TritonRuntime``:
-                     the workflow through its fast path (``merlin_t4r_ops.workflow``), inside
-                     the executor model.
+* ``endpoint-fast``  the same graph exported with
+                     ``merlin_t4r_ops.runtime.TritonRuntime(lean_chain=False)``: the workflow
+                     through its fast path (``merlin_t4r_ops.workflow``), inside the executor
+                     model, the graph walked by Merlin's ``LocalExecutor``;
+* ``endpoint-lean``  the same with ``TritonRuntime()``: the three operators run one after the
+                     other (``merlin_t4r_ops.runtime.chain``), no ``LocalExecutor``.
 
 Then where the time goes, per batch: the client's encoding (``dataframe_to_inputs``) and
-decoding (``as_numpy``), each stage of the graph in process (NVTabular's
-``Workflow._transform_df``, the fast path, the operator with masking, ``DecodeItemIds``),
-and Triton's per-model statistics (``compute_infer`` of each composing model and the
+decoding (``as_numpy``, and ``response_to_dataframe`` as ``infer_dataframe`` does) with
+their share of the lean call, each stage of the graph in process (NVTabular's
+``Workflow._transform_df``, the fast path, the operator with masking, ``DecodeItemIds``, the
+whole graph through ``LocalExecutor`` and through the lean chain), and Triton's per-model
+statistics (``compute_infer`` of each composing model and the
 executor; the executor's includes the workflow model it calls). The ratios
 endpoint / model are printed last.
 
@@ -25,6 +30,8 @@ Usage::
     python benchmarks/endpoint.py --quick                    # CPU, a few minutes
     python benchmarks/endpoint.py --device cuda              # the H200 (CUDA-graph buckets)
     python benchmarks/endpoint.py --concurrency 1,64         # and 64 concurrent clients
+    python benchmarks/endpoint.py --device cuda --paths model,endpoint-fast,endpoint-lean \
+        --concurrency 1,64 --seconds 3 --output endpoint-h200.md   # the lead's device run
 """
 
 import argparse
@@ -39,7 +46,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import serving as bench  # noqa: E402  (adds the tests' factories to sys.path)
 
-PATHS = {"model": "model_alone", "endpoint": "endpoint", "endpoint-fast": "endpoint_fast"}
+PATHS = {"model": "model_alone", "endpoint": "endpoint", "endpoint-fast": "endpoint_fast",
+         "endpoint-lean": "endpoint_lean"}
+RUNTIMES = {"endpoint-fast": dict(lean_chain=False), "endpoint-lean": dict(lean_chain=True)}
 CATEGORIES = 100
 
 
@@ -60,7 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="5k items; 60 requests and 2 rounds per cell unless given")
     p.add_argument("--paths", default=",".join(PATHS),
-                   help="model is always measured; endpoint-fast needs merlin_t4r_ops.workflow")
+                   help="model is always measured; the others: " + ", ".join(list(PATHS)[1:]))
     p.add_argument("--output", default=None, help="write the printed text here too")
     args = p.parse_args(argv)
     if args.quick:
@@ -143,7 +152,7 @@ def export(workflow, model, args, device, path):
     ensembles["model"].export(path, name=PATHS["model"])
     for name in args.paths[1:]:
         ensembles[name] = endpoint()
-        runtime = TritonRuntime() if name == "endpoint-fast" else None
+        runtime = TritonRuntime(**RUNTIMES[name]) if name in RUNTIMES else None
         ensembles[name].export(path, name=PATHS[name], runtime=runtime)
     return ensembles
 
@@ -165,10 +174,12 @@ def in_process_stages(workflow, raw, encoded, ensembles, dtypes, server, repeats
     from merlin.systems.dag.ops.workflow import TransformWorkflow
     from merlin.table import TensorTable
 
-    from merlin_t4r_ops.serving.client import dataframe_arrays, dataframe_to_inputs
+    from merlin_t4r_ops.runtime.chain import lean_chain
+    from merlin_t4r_ops.serving.client import (
+        dataframe_arrays, dataframe_to_inputs, response_to_dataframe)
     from merlin_t4r_ops.workflow import compile_workflow
 
-    endpoint = "endpoint" if "endpoint" in ensembles else "endpoint-fast"
+    endpoint = next(path for path in ensembles if path != "model")
     decode_node = ensembles[endpoint].graph.output_node
     decode_op, predict_op = decode_node.op, decode_node.parents[0].op
     alone_op = ensembles["model"].graph.output_node.op
@@ -183,9 +194,15 @@ def in_process_stages(workflow, raw, encoded, ensembles, dtypes, server, repeats
         "client encode": p50_ms(lambda: dataframe_to_inputs(raw, dtypes), repeats),
         "workflow, NVTabular": p50_ms(lambda: workflow._transform_df(raw_table.to_df()), repeats),
     }
-    if "endpoint-fast" in ensembles:
+    if "endpoint-fast" in ensembles or "endpoint-lean" in ensembles:
         fast = compile_workflow(TransformWorkflow(workflow))
         stages["workflow, fast path"] = p50_ms(lambda: fast.transform(None, raw_table), repeats)
+    exported = ensembles.get("endpoint-lean") or ensembles.get("endpoint-fast")
+    if exported is not None:  # its graph holds the compiled workflow since the export
+        chain = lean_chain(exported)
+        stages["graph, Merlin's LocalExecutor"] = p50_ms(
+            lambda: exported.transform(raw_table), repeats)
+        stages["graph, lean chain"] = p50_ms(lambda: chain.transform(raw_table), repeats)
     return {
         **stages,
         "model + top-k (the model alone)": p50_ms(
@@ -195,6 +212,8 @@ def in_process_stages(workflow, raw, encoded, ensembles, dtypes, server, repeats
         "decode": p50_ms(lambda: decode_op.transform(ColumnSelector(list(top_k.columns)),
                                                      top_k), repeats),
         "client decode": p50_ms(lambda: [result.as_numpy(o) for o in outputs], repeats),
+        "client decode to a DataFrame": p50_ms(
+            lambda: response_to_dataframe(result, outputs), repeats),
     }
 
 
@@ -255,7 +274,9 @@ def run(args):
                     if concurrency == 1:
                         local = in_process_stages(workflow, raw, encoded, ensembles,
                                                   specs[args.paths[-1]], server, 30)
-                        stages.append((batch, server_stages(before, after, models), local))
+                        last = args.paths[-1]
+                        stages.append((batch, server_stages(before, after, models), local,
+                                       (last, cells[last]["p50_ms"])))
     return device, lines, stages, ratios
 
 
@@ -270,10 +291,13 @@ def format_row(path, batch, concurrency, cell):
 
 def stage_tables(stages):
     out = []
-    for batch, server, local in stages:
+    for batch, server, local, (path, call_ms) in stages:
         rows = [f"Batch {batch}: stages in process (p50 ms, one at a time)", "",
                 "| stage | ms |", "|---|---:|"]
         rows += [f"| {stage} | {ms:.3f} |" for stage, ms in local.items()]
+        client = local["client encode"] + local["client decode to a DataFrame"]
+        rows += ["", f"Client encode + decode to a DataFrame: {client:.3f} ms, "
+                     f"{100 * client / call_ms:.1f}% of the {path} call's p50 ({call_ms:.2f} ms)"]
         rows += ["", f"Batch {batch}: Triton, mean ms per request", "",
                  "| model | request (success) | compute_infer |", "|---|---:|---:|"]
         rows += [f"| {model} | {s['success']:.3f} | {s['compute_infer']:.3f} |"

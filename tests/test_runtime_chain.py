@@ -152,7 +152,8 @@ def test_the_server_log_says_which_executor_runs(chain_server):
         return lines[-1]
 
     assert "the lean chain runs the graph" in report(LEAN)
-    assert "the lean chain runs the graph" in report(LEAN + "_str")
+    assert "ids decoded on the model's device" in report(LEAN)
+    assert "ids decoded on the host (DecodeItemIds)" in report(LEAN + "_str")
     assert "LocalExecutor runs the graph (lean_chain=False)" in report(MERLIN)
     assert "LocalExecutor runs the graph: it is not the lean chain" in report(BRANCHES)
 
@@ -188,9 +189,10 @@ def test_in_process_the_chain_equals_the_executor(tmp_path, session_workflow):
     for node in postorder_iter_nodes(loaded.graph.output_node):
         node.op.load_artifacts(str(folder))
     table = TensorTable(dataframe_arrays(raw.head(16), raw_dtypes(raw)))
+    expected = loaded.transform(table).to_dict()  # before the chain takes the decoding over
     chain = lean_chain(loaded)
-    assert chain is not None
-    got, expected = chain.transform(table).to_dict(), loaded.transform(table).to_dict()
+    assert chain is not None and chain.decodes_in_graph  # int64 ids: looked up by the model
+    got = chain.transform(table).to_dict()
     assert list(got) == list(expected)
     for name in got:
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)

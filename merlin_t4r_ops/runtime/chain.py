@@ -8,6 +8,13 @@ parent and the walk is pure overhead. :class:`LeanChain` resolves the selections
 calls the three operators' ``transform`` one after the other, on the same ``TensorTable``
 objects the executor would hand them, so the answer and its errors are the executor's.
 
+Where the shop's item ids are signed integers (and ``PredictT4RPyTorch(decode_in_graph=True)``,
+the default), the model's operator looks the raw ids up itself, on its device, right after
+its top-k (inside its CUDA graph): ``DecodeItemIds``' one lookup table
+(:attr:`~merlin_t4r_ops.ops.vocabulary.ItemVocabulary.lookup`) as a tensor. The chain then
+skips ``DecodeItemIds``, whose answer would be the same. String ids are decoded on the host
+by ``DecodeItemIds``, one ``take``.
+
 Any other graph (branches, other operators, a workflow that fell back to NVTabular) is not
 a chain: :func:`lean_chain` returns None and the executor keeps Merlin's.
 """
@@ -35,12 +42,20 @@ class LeanChain:
     nodes : list of merlin.dag.Node
         The chain's nodes, parents first: the input selection, the compiled workflow, the
         model and the decoder (see :func:`lean_chain`).
+
+    Notes
+    -----
+    When the model's operator takes the decoding over (:attr:`decodes_in_graph`), it answers
+    raw ids from then on: the ensemble is the chain's, and Merlin's executor over the same
+    graph would decode them twice.
     """
 
     def __init__(self, nodes):
         self.inputs = nodes[0].output_schema.column_names
-        self.steps = [(node.op, node.input_columns.resolve(node.input_schema))
-                      for node in nodes[1:]]
+        predict, decode = nodes[2].op, nodes[3].op
+        self.decodes_in_graph = predict.decode_with(decode.vocabulary)
+        kept = nodes[1:3] if self.decodes_in_graph else nodes[1:]
+        self.steps = [(node.op, node.input_columns.resolve(node.input_schema)) for node in kept]
 
     def transform(self, table: TensorTable) -> TensorTable:
         """The ensemble's output columns for ``table``'s rows, as Merlin's executor gives them."""

@@ -72,7 +72,8 @@ class TritonPythonModel(MerlinExecutorModel):
         self.input_names = tensor_names(self.ensemble.input_schema)
         wanted = parameters.get(LEAN_CHAIN_PARAMETER, {}).get("string_value") == "true"
         self.chain = lean_chain(self.ensemble) if wanted else None
-        pb_utils.Logger.log_info(f"{self.name}: " + _executor_report(wanted, self.ensemble))
+        pb_utils.Logger.log_info(f"{self.name}: " + _executor_report(wanted, self.ensemble,
+                                                                       self.chain))
 
     def execute(self, requests):
         """One response per request, in order: its rows' outputs, or its own error."""
@@ -132,10 +133,13 @@ class TritonPythonModel(MerlinExecutorModel):
             output_tensors=[], error=pb_utils.TritonError(wire_message(exc), code))
 
 
-def _executor_report(wanted, ensemble):
+def _executor_report(wanted, ensemble, chain):
     if not wanted:
         return "Merlin's LocalExecutor runs the graph (lean_chain=False)"
+    if chain is not None:
+        where = ("the model's device, after its top-k" if chain.decodes_in_graph
+                 else "the host (DecodeItemIds)")
+        return ("the lean chain runs the graph (workflow >> model >> decode); ids decoded on "
+                + where)
     why = why_not_a_chain(ensemble)
-    if why is None:
-        return "the lean chain runs the graph (workflow >> model >> decode)"
     return f"Merlin's LocalExecutor runs the graph: it is not the lean chain, {why}"
