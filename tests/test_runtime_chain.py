@@ -9,6 +9,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 from tritonclient.utils import InferenceServerException
 
 import t4r_factories as factories
@@ -27,14 +28,14 @@ def raw_dtypes(df):
     return {**dtypes, **{f"{column}__offsets": np.dtype(np.int32) for column in COLUMNS}}
 
 
-def chain_ensemble(workflow, model):
+def chain_ensemble(workflow, model, top_k=TOP_K):
     from merlin.systems.dag import Ensemble
     from merlin.systems.dag.ops.workflow import TransformWorkflow
 
     from merlin_t4r_ops import DecodeItemIds, PredictT4RPyTorch
 
     pipeline = (workflow.input_schema.column_names >> TransformWorkflow(workflow)
-                >> PredictT4RPyTorch(model, top_k=TOP_K, exclude_seen=True)
+                >> PredictT4RPyTorch(model, top_k=top_k, exclude_seen=True)
                 >> DecodeItemIds(workflow))
     return Ensemble(pipeline, workflow.input_schema)
 
@@ -196,3 +197,84 @@ def test_in_process_the_chain_equals_the_executor(tmp_path, session_workflow):
     assert list(got) == list(expected)
     for name in got:
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+# -- the raw ids looked up right after the top-k (in the CUDA graph on a GPU) --------------
+def _ops_of(ensemble):
+    decode_node = ensemble.graph.output_node
+    return decode_node.parents[0].op, decode_node.op
+
+
+def _encoded(workflow, df):
+    from merlin.io import Dataset
+    from merlin.table import TensorTable
+
+    return TensorTable.from_df(workflow.transform(Dataset(df, npartitions=1)).to_ddf().compute())
+
+
+@pytest.mark.parametrize("longer", [False, True], ids=["short", "longer-than-the-graph-holds"])
+def test_decoding_in_the_top_k_equals_decode_item_ids(tmp_path, longer):
+    """What a replay returns once the op decodes (the captured function, on the CPU), and its
+    eager path, equal the top-k decoded by ``DecodeItemIds``; a slot no item was left for
+    (eleven items, a top-11) is the filler -1 either way."""
+    from test_ops_top_k import _replay_on_the_cpu
+
+    from merlin_t4r_ops.ops.inputs import to_model_inputs
+    from merlin_t4r_ops.ops.predict_t4r import SEEN_IN_GRAPH
+
+    workflow, model, raw = factories.fit_session_workflow(
+        tmp_path, np.random.default_rng(9), n=60, items=12)
+    df = raw.head(6).reset_index(drop=True)
+    if longer:  # the even rows longer than the graph's seen matrix
+        df = df.copy()
+        for column in COLUMNS:
+            df[column] = [np.resize(v, SEEN_IN_GRAPH + 5) if i % 2 == 0 else v
+                          for i, v in enumerate(df[column])]
+    ensemble = chain_ensemble(workflow, model, top_k=11)  # every item: filler slots too
+    predict, decode = _ops_of(ensemble)
+    expected = ensemble.transform(df)  # Merlin's executor, DecodeItemIds on the host
+    table = _encoded(workflow, df)
+    assert predict.decode_with(decode.vocabulary)
+    inputs = to_model_inputs(table, predict._specs, predict.max_sequence_length,
+                             torch.device("cpu"))
+    with torch.inference_mode():
+        replayed = predict._replay_excluding_seen(_replay_on_the_cpu(predict, bucket=8),
+                                                  inputs, table)
+    eager = predict.predict(table)
+    for got in ({k: v.numpy() for k, v in replayed.items()}, eager):
+        assert got["item_ids"].dtype == np.int64
+        np.testing.assert_array_equal(got["item_ids"], np.stack(expected["item_ids"]))
+        np.testing.assert_allclose(got["item_id_scores"], np.stack(expected["item_id_scores"]),
+                                   rtol=1e-5, atol=1e-6)  # a padded batch: float sums differ
+    assert (np.stack(expected["item_ids"]) == -1).any()
+
+
+def test_string_ids_and_decode_in_graph_false_stay_on_the_host(session_workflow,
+                                                               string_session_workflow):
+    from merlin.systems.dag import Ensemble
+    from merlin.systems.dag.ops.workflow import TransformWorkflow
+
+    from merlin_t4r_ops import DecodeItemIds, PredictT4RPyTorch
+
+    workflow, model, _ = string_session_workflow
+    predict, decode = _ops_of(chain_ensemble(workflow, model))
+    assert not predict.decode_with(decode.vocabulary)  # strings: one numpy take on the host
+    workflow, model, _ = session_workflow
+    refused = PredictT4RPyTorch(model, top_k=TOP_K, decode_in_graph=False)
+    pipeline = (workflow.input_schema.column_names >> TransformWorkflow(workflow) >> refused
+                >> DecodeItemIds(workflow))
+    predict, decode = _ops_of(Ensemble(pipeline, workflow.input_schema))
+    assert not predict.decode_with(decode.vocabulary)
+
+
+def test_the_lookup_inverts_the_encoding_filler_included(session_workflow):
+    """One table: numpy's take (DecodeItemIds) and torch's (the graph) give the same ids."""
+    from merlin_t4r_ops import DecodeItemIds
+
+    vocabulary = DecodeItemIds(session_workflow[0]).vocabulary
+    encoded = np.array([[-1, vocabulary.first_id, vocabulary.first_id + len(vocabulary.raw_ids)
+                         - 1]])
+    on_device = torch.take(vocabulary.device_lookup("cpu"), torch.from_numpy(encoded) + 1)
+    np.testing.assert_array_equal(on_device.numpy(), vocabulary.decode(encoded))
+    np.testing.assert_array_equal(vocabulary.decode(encoded)[0],
+                                  [-1, vocabulary.raw_ids[0], vocabulary.raw_ids[-1]])
