@@ -110,16 +110,25 @@ def model_spec(client, model_name: str, *, refresh: bool = False) -> ModelSpec:
     return cached[model_name]
 
 
+_LIST_TYPES = (np.ndarray, list, tuple)
+
+
 def _list_rows(series: pd.Series) -> list:
-    """The rows of a list column; a scalar or None in one is refused, naming it."""
+    """The rows of a list column; a scalar or None in one is refused, naming it.
+
+    The rows' types are read in one pass (``set(map(type, rows))`` runs in C): checking
+    each row with ``isinstance`` in Python cost 0.1 ms of a 256-session request.
+    """
     rows = series.tolist()
-    for index, row in enumerate(rows):
-        if not isinstance(row, (np.ndarray, list, tuple)):
-            raise InvalidRequestError(
-                f"column {series.name!r} row {index}: expected a list of values, "
-                f"got {row!r} ({type(row).__name__})"
-            )
-    return rows
+    types = set(map(type, rows))
+    if all(issubclass(kind, _LIST_TYPES) for kind in types):
+        return rows
+    index = next(i for i, row in enumerate(rows) if not isinstance(row, _LIST_TYPES))
+    row = rows[index]
+    raise InvalidRequestError(
+        f"column {series.name!r} row {index}: expected a list of values, "
+        f"got {row!r} ({type(row).__name__})"
+    )
 
 
 def _cast(name: str, values: np.ndarray, dtype, row_of) -> np.ndarray:
@@ -151,12 +160,13 @@ def _ragged(series: pd.Series, values_dtype, offsets_dtype):
     # Plain Python over the rows: pandas' map and a per-row asarray cost more than the
     # copy itself for the few short sessions of a request.
     rows = _list_rows(series)
+    arrays_only = set(map(type, rows)) <= {np.ndarray}
     lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     offsets = np.zeros(len(rows) + 1, dtype=offsets_dtype)
     np.cumsum(lengths, out=offsets[1:])
     if not rows:
         return np.array([], dtype=values_dtype), offsets
-    if all(isinstance(row, np.ndarray) for row in rows):
+    if arrays_only:
         values = np.concatenate(rows)
     else:
         values = np.concatenate([np.asarray(row) for row in rows])
