@@ -142,8 +142,8 @@ def table(results):
                       key=lambda r: r["samples_per_s"] or 0) for name, rounds in results.items()}
     t4r = (best.get("t4r-trainer") or {}).get("samples_per_s")
     cached = (best.get("cached") or {}).get("samples_per_s")
-    lines = ["| path | samples/s | / t4r-trainer | / cached | GPU util % | timed steps | rounds | note |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| path | samples/s | / t4r-trainer | / cached | GPU util % | timed steps | rounds "
+             "| note |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for name, row in best.items():
         rate = row["samples_per_s"]
         measured = sum(1 for r in results[name] if r["samples_per_s"])

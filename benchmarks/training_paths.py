@@ -204,8 +204,17 @@ def _t4r_trainer(setting: Setting, clock: StepClock = None):
     from transformers4rec.torch import Trainer as T4RTrainer
 
     callbacks = [] if clock is None else [_stop_when_done(clock)]
-    return T4RTrainer(model=setting.model(), args=_training_args(setting), schema=t4r_schema(),
-                      train_dataset_or_path=setting.files, callbacks=callbacks)
+    return _quiet(T4RTrainer(model=setting.model(), args=_training_args(setting),
+                             schema=t4r_schema(), train_dataset_or_path=setting.files,
+                             callbacks=callbacks))
+
+
+def _quiet(trainer):
+    """Without Hugging Face's printing of the logs (``disable_tqdm`` prints a dict a run)."""
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    return trainer
 
 
 @contextlib.contextmanager
@@ -230,9 +239,10 @@ def run_our_trainer(setting: Setting, clock: StepClock) -> None:
     """``merlin_t4r_ops.training.Trainer.train()`` (strategy single)."""
     from merlin_t4r_ops.training import Trainer
 
-    trainer = Trainer(model=setting.model(), args=_training_args(setting), strategy="single",
-                      schema=t4r_schema(), train_dataset_or_path=setting.files,
-                      callbacks=[_stop_when_done(clock)])
+    trainer = _quiet(Trainer(model=setting.model(), args=_training_args(setting),
+                             strategy="single", schema=t4r_schema(),
+                             train_dataset_or_path=setting.files,
+                             callbacks=[_stop_when_done(clock)]))
     with clock.hooked():
         trainer.train()
 
