@@ -79,6 +79,9 @@ def parse_args(argv=None):
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.warmup_steps < 1 or args.time_limit <= 0 or args.rounds < 1:
+        p.error(f"--warmup-steps and --rounds take 1 or more, --time-limit more than 0; got "
+                f"{args.warmup_steps}, {args.rounds} and {args.time_limit}")
     for option in ("paths", "profile_paths"):
         unknown = [name for name in _names(getattr(args, option)) if name not in PATHS]
         if unknown:
