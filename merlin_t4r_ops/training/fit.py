@@ -68,6 +68,14 @@ from merlin_t4r_ops.training.data import (
 )
 from merlin_t4r_ops.training.data_parallel import forward_batch, rank_loss
 from merlin_t4r_ops.training.run_log import RunLog
+from merlin_t4r_ops.training.step import (
+    autocast,
+    check_amp,
+    check_compile,
+    compile_model,
+    default_optimizer,
+    grad_scaler,
+)
 from merlin_t4r_ops.training.metrics import MetricAccumulator
 from merlin_t4r_ops.training.state import (
     DistributedState,
@@ -97,10 +105,8 @@ def _batch_rows(x) -> int:
     return 0
 
 
-def _autocast(amp: bool, state: DistributedState):
-    if not amp:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type="cuda", dtype=torch.float16)
+def _autocast(amp, state: DistributedState):
+    return autocast(amp, state.device)
 
 
 def evaluate(
@@ -109,7 +115,7 @@ def evaluate(
     *,
     strategy: Union[str, DistributedState] = "auto",
     batch_size: int = 32,
-    amp: bool = False,
+    amp: Union[bool, str] = False,
 ) -> dict:
     """Evaluate a T4R model over ``eval_data``; under DDP, exactly over all shards.
 
@@ -123,8 +129,9 @@ def evaluate(
     strategy : str or DistributedState
     batch_size : int
         Per-device batch size (times the GPU count under DataParallel).
-    amp : bool
-        Autocast the forward pass (CUDA only).
+    amp : {False, True, "fp16", "bf16"}
+        Autocast the forward pass: ``True``/``"fp16"`` to float16 (CUDA only),
+        ``"bf16"`` to bfloat16.
 
     Returns
     -------
@@ -133,6 +140,7 @@ def evaluate(
         :class:`~merlin_t4r_ops.training.metrics.MetricAccumulator`).
     """
     state = _state(strategy)
+    check_amp(amp, state)
     loader = make_loader(eval_data, model, state, batch_size=batch_size, shuffle=False)
     model = unwrap_model(model)
     if state.strategy == "dp":
@@ -165,11 +173,7 @@ def _check_args(epochs, batch_size, amp, state, resume, checkpoint_dir, lr_sched
         raise ValueError(f"epochs must be a non-negative int, got {epochs!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int (per device), got {batch_size!r}")
-    if amp and state.device.type != "cuda":
-        raise StrategyError(
-            f"amp=True expects a CUDA device (autocast float16 + GradScaler); this process "
-            f"trains on {state.device} (strategy {state.strategy!r}). Pass amp=False on CPU"
-        )
+    check_amp(amp, state)
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True expects checkpoint_dir= naming where checkpoints are, got None")
     if lr_scheduler_interval not in ("epoch", "step"):
@@ -186,7 +190,8 @@ def fit(
     epochs: int = 1,
     strategy: Union[str, DistributedState] = "auto",
     eval_data=None,
-    amp: bool = False,
+    amp: Union[bool, str] = False,
+    compile: bool = False,
     batch_size: int = 32,
     eval_batch_size: Optional[int] = None,
     lr: float = 1e-3,
@@ -229,7 +234,7 @@ def fit(
         identical); loaders without ``len()`` fall back to DDP's ``join``
         context manager, which cannot hang but lets optimizer states drift.
     optimizer : torch.optim.Optimizer, optional
-        Over ``model.parameters()``; default ``Adam(lr=lr)``.
+        Over ``model.parameters()``; default ``Adam(lr=lr)``, fused on CUDA.
     epochs : int
         Total number of epochs, counting those already done when resuming.
     strategy : {"auto", "single", "dp", "ddp"} or DistributedState
@@ -237,9 +242,15 @@ def fit(
     eval_data : optional
         Same forms as ``train_data``; evaluated after each epoch on every rank
         over its shard, metrics reduced exactly over the whole set.
-    amp : bool
-        ``torch.autocast`` float16 + ``GradScaler``; CUDA only, on CPU it
-        raises :class:`StrategyError` rather than silently training in fp32.
+    amp : {False, True, "fp16", "bf16"}
+        ``True`` or ``"fp16"``: ``torch.autocast`` float16 + ``GradScaler``, CUDA
+        only (on CPU it raises :class:`StrategyError` rather than silently
+        training in fp32). ``"bf16"``: autocast bfloat16 without a scaler (GPUs
+        with bfloat16, or the CPU). See :mod:`~merlin_t4r_ops.training.step`.
+    compile : bool
+        ``torch.compile`` the training model (``"reduce-overhead"``, i.e. CUDA
+        graphs, on one CUDA device with ``drop_last=True``); evaluation runs
+        eagerly. Refused under DataParallel.
     batch_size : int
         Per device, as in Hugging Face. Under DDP each rank loads
         ``batch_size`` rows (global batch ``world_size * batch_size``); under
@@ -306,6 +317,7 @@ def fit(
     """
     state = _state(strategy)
     _check_args(epochs, batch_size, amp, state, resume, checkpoint_dir, lr_scheduler_interval)
+    check_compile(compile, state)
     if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
         raise ValueError(
             "gradient_accumulation_steps must be a positive int, got "
@@ -351,8 +363,8 @@ def fit(
                if optimizer is None else f"{type(optimizer).__name__}")
         )
     if optimizer is None:
-        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    scaler = torch.amp.GradScaler("cuda") if amp else None
+        optimizer = default_optimizer(model, lr, state.device)
+    scaler = grad_scaler(amp)
 
     frozen = {}
     run_log = RunLog(log_dir, state)
@@ -382,6 +394,7 @@ def fit(
                 logger.info("resume=True but %s holds no checkpoint; starting at epoch 1", checkpoint_dir)
 
         wrapped = prepare_model(model, state, find_unused_parameters=bool(find_unused_parameters))
+        trained = compile_model(wrapped, state, drop_last) if compile else wrapped
         def save_mid_epoch(epoch, step, optimizer_steps, totals):
             if optimizer_steps % save_steps == 0:
                 save_checkpoint(
@@ -392,7 +405,7 @@ def fit(
 
         for epoch in range(start_epoch, epochs):
             entry = _train_epoch(
-                wrapped, train_loader, optimizer, state, epoch, epochs, amp, scaler,
+                trained, train_loader, optimizer, state, epoch, epochs, amp, scaler,
                 max_grad_norm, lr_scheduler if lr_scheduler_interval == "step" else None, progress,
                 resume_at=resume_at if epoch == start_epoch else None,
                 save=save_mid_epoch if save_steps else None,
