@@ -73,6 +73,9 @@ def settled_statistics(client, model: str, before: Counts, expect: int,
 
 def counts_since(client, model: str, before: Counts, expect: int,
                  timeout: float = 60.0) -> Counts:
-    """(requests, executions) counted since ``before``, once settled (:func:`settled_statistics`)."""
+    """(requests, executions) counted since ``before``, once settled.
+
+    See :func:`settled_statistics` for the wait and its bound.
+    """
     now = _counts(settled_statistics(client, model, before, expect, timeout))
     return Counts(now.requests - before.requests, now.executions - before.executions)
