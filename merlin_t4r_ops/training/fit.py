@@ -54,7 +54,6 @@ from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from merlin_t4r_ops.errors import StrategyError
@@ -62,7 +61,6 @@ from merlin_t4r_ops.training.checkpoint import load_checkpoint, save_checkpoint,
 from merlin_t4r_ops.training.data import (
     ShardedLoader,
     batches_of,
-    first_batch,
     make_loader,
     to_device,
 )
@@ -77,13 +75,20 @@ from merlin_t4r_ops.training.step import (
     grad_scaler,
 )
 from merlin_t4r_ops.training.metrics import MetricAccumulator
+from merlin_t4r_ops.training.policy import (
+    DEFAULT_SEED,
+    data_order_seed,
+    log_folder,
+    seed_everything,
+    settle_unused_parameters,
+)
 from merlin_t4r_ops.training.state import (
     DistributedState,
     prepare_model,
     resolve_strategy,
     unwrap_model,
 )
-from merlin_t4r_ops.training.unused import freeze, probe_unused_parameters, restore_requires_grad
+from merlin_t4r_ops.training.unused import restore_requires_grad
 
 __all__ = ["fit", "evaluate"]
 
@@ -202,7 +207,8 @@ def fit(
     checkpoint_dir=None,
     save_steps: Optional[int] = None,
     resume: bool = False,
-    seed: Optional[int] = None,
+    seed: Optional[int] = DEFAULT_SEED,
+    data_seed: Optional[int] = None,
     shuffle: bool = True,
     drop_last: bool = False,
     find_unused_parameters: Optional[bool] = None,
@@ -286,8 +292,12 @@ def fit(
         every rank resumes from the same state even when the nodes have
         separate local disks.
     seed : int, optional
-        Seeds torch (``seed + rank``), numpy and random, and the data shuffle
-        (from ``(seed, epoch)``, equal on all ranks).
+        Seeds torch, numpy and random with the same seed on every rank, as Hugging
+        Face's Trainer does with ``args.seed`` (and its default, 42); None seeds
+        nothing. See :mod:`~merlin_t4r_ops.training.policy`.
+    data_seed : int, optional
+        Seeds the data shuffle (from ``(data_seed, epoch)``, equal on all ranks), as
+        ``args.data_seed``; by default ``seed``.
     shuffle, drop_last : bool
         For loaders that ``fit`` builds.
     find_unused_parameters : bool, optional
@@ -299,13 +309,14 @@ def fit(
     callbacks : sequence of callable
         Called on every rank with each epoch's history entry, after the
         checkpoint is written.
-    log_dir : str, optional
+    log_dir : str or False, optional
         Where the main process logs each optimizer step's ``train/loss`` and
         ``train/learning_rate`` and each evaluation's ``eval/<metric>``:
         ``log.csv`` (rows ``step, epoch, name, value``) and, where the
         ``tensorboard`` package is installed, TensorBoard events under
-        ``runs/``. None (the default) logs nothing. Kept apart from
-        ``checkpoint_dir``, which may be node-local and holds ``last.pt`` only.
+        ``runs/``. None (the default): ``checkpoint_dir``, when given, as the
+        Trainer logs under its ``output_dir``; False logs nothing. A resumed run
+        drops the rows past its checkpoint's step, a fresh one every row.
 
     Returns
     -------
@@ -335,8 +346,7 @@ def fit(
             f"fit expects an unwrapped model (it wraps for the strategy itself), got "
             f"{type(model).__name__}; pass unwrap_model(model)"
         )
-    if seed is not None:
-        set_seed(seed + state.rank)  # torch, CUDA, numpy and random
+    seed_everything(seed)  # the one policy of fit and the Trainer: training/policy.py
     model.to(state.device)
     train_loader = make_loader(
         train_data,
@@ -344,7 +354,7 @@ def fit(
         state,
         batch_size=batch_size,
         shuffle=shuffle,
-        seed=seed or 0,
+        seed=data_order_seed(seed, data_seed),
         drop_last=drop_last,
         equal_shards=True,  # every rank takes the same optimizer steps
     )
@@ -367,31 +377,25 @@ def fit(
     scaler = grad_scaler(amp)
 
     frozen = {}
-    run_log = RunLog(log_dir, state)
+    run_log = RunLog(log_folder(log_dir, checkpoint_dir), state)
     try:
-        if state.is_distributed and find_unused_parameters is None:
-            # Before restoring RNG states: a resumed run must continue the
-            # uninterrupted run's random stream, which drew this probe at its start.
-            batch = first_batch(train_loader)
-            batch = None if batch is None else tuple(to_device(b, state.device) for b in batch)
-            unused, disagree = probe_unused_parameters(model, batch, state)
-            frozen = freeze(model, unused)
-            find_unused_parameters = disagree
-            if state.is_main_process and unused:
-                logger.info("freezing %d parameters the task never uses: %s", len(unused), unused)
-            if disagree and state.is_main_process:
-                logger.info("ranks use different parameters; DDP find_unused_parameters=True")
+        # Before restoring RNG states: a resumed run must continue the
+        # uninterrupted run's random stream, which drew this probe at its start.
+        find_unused_parameters, frozen = settle_unused_parameters(
+            model, train_loader, state, find_unused_parameters)
 
         history: List[dict] = []
-        start_epoch, resume_at = 0, None
+        start_epoch, resume_at, log_step = 0, None, 0
         if resume:
             ckpt = load_checkpoint(checkpoint_dir, map_location="cpu", state=state)
             if ckpt is not None:
                 start_epoch, history, resume_at = _restore(
                     ckpt, model, optimizer, lr_scheduler, scaler, state
                 )
+                log_step = ckpt.get("log_step")
             elif state.is_main_process:
                 logger.info("resume=True but %s holds no checkpoint; starting at epoch 1", checkpoint_dir)
+        run_log.start(log_step)
 
         wrapped = prepare_model(model, state, find_unused_parameters=bool(find_unused_parameters))
         trained = compile_model(wrapped, state, drop_last) if compile else wrapped
@@ -400,7 +404,7 @@ def fit(
                 save_checkpoint(
                     checkpoint_dir, state, model=model, optimizer=optimizer, epoch=epoch,
                     history=history, lr_scheduler=lr_scheduler, scaler=scaler, step=step,
-                    epoch_totals=_global_totals(totals, state),
+                    epoch_totals=_global_totals(totals, state), log_step=run_log.last_step,
                 )
 
         for epoch in range(start_epoch, epochs):
@@ -425,6 +429,7 @@ def fit(
                 save_checkpoint(
                     checkpoint_dir, state, model=model, optimizer=optimizer, epoch=epoch + 1,
                     history=history, lr_scheduler=lr_scheduler, scaler=scaler,
+                    log_step=run_log.last_step,
                 )
             for callback in callbacks:
                 callback(entry)
