@@ -25,7 +25,9 @@ through Hugging Face, but
 the dataloader construction (the same
 :class:`~merlin_t4r_ops.training.data.ShardedLoader` as ``fit``), the loss under
 DataParallel (:mod:`~merlin_t4r_ops.training.data_parallel`), the evaluation
-loop and the saving/logging guards.
+loop, the saving/logging guards, and under DDP Hugging Face's
+``find_unused_parameters=True`` (seeds, data order and unused parameters follow
+:mod:`~merlin_t4r_ops.training.policy`, as ``fit`` does).
 """
 
 import contextlib
