@@ -9,14 +9,19 @@ Three ensembles in one tritonserver, measured side by side in one run, rounds al
                      categories) >> ``PredictT4RPyTorch(top_k, exclude_seen=True)`` >>
                      ``DecodeItemIds``, exported as Merlin does: NVTabular in a Triton model
                      of its own (``0_transformworkflowtriton``);
-* ``endpoint-fast``  the same graph exported with ``merlin_t4r_ops.runtime.TritonRuntime``:
-                     the workflow through its fast path (``merlin_t4r_ops.workflow``), inside
-                     the executor model.
+* ``endpoint-fast``  the same graph exported with
+                     ``merlin_t4r_ops.runtime.TritonRuntime(lean_chain=False)``: the workflow
+                     through its fast path (``merlin_t4r_ops.workflow``), inside the executor
+                     model, the graph walked by Merlin's ``LocalExecutor``;
+* ``endpoint-lean``  the same with ``TritonRuntime()``: the three operators run one after the
+                     other (``merlin_t4r_ops.runtime.chain``), no ``LocalExecutor``.
 
 Then where the time goes, per batch: the client's encoding (``dataframe_to_inputs``) and
-decoding (``as_numpy``), each stage of the graph in process (NVTabular's
-``Workflow._transform_df``, the fast path, the operator with masking, ``DecodeItemIds``),
-and Triton's per-model statistics (``compute_infer`` of each composing model and the
+decoding (``as_numpy``, and ``response_to_dataframe`` as ``infer_dataframe`` does) with
+their share of the lean call, each stage of the graph in process (NVTabular's
+``Workflow._transform_df``, the fast path, the operator with masking, ``DecodeItemIds``, the
+whole graph through ``LocalExecutor`` and through the lean chain), and Triton's per-model
+statistics (``compute_infer`` of each composing model and the
 executor; the executor's includes the workflow model it calls). The ratios
 endpoint / model are printed last.
 
@@ -25,6 +30,8 @@ Usage::
     python benchmarks/endpoint.py --quick                    # CPU, a few minutes
     python benchmarks/endpoint.py --device cuda              # the H200 (CUDA-graph buckets)
     python benchmarks/endpoint.py --concurrency 1,64         # and 64 concurrent clients
+    python benchmarks/endpoint.py --device cuda --paths model,endpoint-fast,endpoint-lean \
+        --concurrency 1,64 --seconds 3 --output endpoint-h200.md   # the lead's device run
 """
 
 import argparse
@@ -39,7 +46,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import serving as bench  # noqa: E402  (adds the tests' factories to sys.path)
 
-PATHS = {"model": "model_alone", "endpoint": "endpoint", "endpoint-fast": "endpoint_fast"}
+PATHS = {"model": "model_alone", "endpoint": "endpoint", "endpoint-fast": "endpoint_fast",
+         "endpoint-lean": "endpoint_lean"}
+IN_PROCESS = "in process"  # the endpoint's graph, built but not exported: its ops' stages
+_CHAINS = {}
+RUNTIMES = {"endpoint-fast": dict(lean_chain=False), "endpoint-lean": dict(lean_chain=True)}
 CATEGORIES = 100
 
 
@@ -60,7 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="5k items; 60 requests and 2 rounds per cell unless given")
     p.add_argument("--paths", default=",".join(PATHS),
-                   help="model is always measured; endpoint-fast needs merlin_t4r_ops.workflow")
+                   help="model is always measured; the others: " + ", ".join(list(PATHS)[1:]))
     p.add_argument("--output", default=None, help="write the printed text here too")
     args = p.parse_args(argv)
     if args.quick:
@@ -141,9 +152,10 @@ def export(workflow, model, args, device, path):
     ensembles = {"model": Ensemble(model.input_schema.column_names >> predict(),
                                    model.input_schema)}
     ensembles["model"].export(path, name=PATHS["model"])
+    ensembles[IN_PROCESS] = endpoint()
     for name in args.paths[1:]:
         ensembles[name] = endpoint()
-        runtime = TritonRuntime() if name == "endpoint-fast" else None
+        runtime = TritonRuntime(**RUNTIMES[name]) if name in RUNTIMES else None
         ensembles[name].export(path, name=PATHS[name], runtime=runtime)
     return ensembles
 
@@ -158,18 +170,20 @@ def p50_ms(fn, repeats):
     return 1e3 * float(np.median(times))
 
 
-def in_process_stages(workflow, raw, encoded, ensembles, dtypes, server, repeats):
+def in_process_stages(workflow, raw, encoded, ensembles, dtypes, server, repeats, args_paths):
     """p50 ms of each stage of the endpoint, alone, in this process."""
     import tritonclient.grpc as grpcclient
     from merlin.dag import ColumnSelector
     from merlin.systems.dag.ops.workflow import TransformWorkflow
     from merlin.table import TensorTable
 
-    from merlin_t4r_ops.serving.client import dataframe_arrays, dataframe_to_inputs
+    from merlin_t4r_ops.runtime.chain import lean_chain
+    from merlin_t4r_ops.serving.client import (
+        dataframe_arrays, dataframe_to_inputs, response_to_dataframe)
     from merlin_t4r_ops.workflow import compile_workflow
 
-    endpoint = "endpoint" if "endpoint" in ensembles else "endpoint-fast"
-    decode_node = ensembles[endpoint].graph.output_node
+    endpoint = args_paths[-1]  # the client's stages read this path's answer
+    decode_node = ensembles[IN_PROCESS].graph.output_node  # never exported, never chained
     decode_op, predict_op = decode_node.op, decode_node.parents[0].op
     alone_op = ensembles["model"].graph.output_node.op
     raw_table = TensorTable(dataframe_arrays(raw, dtypes))
@@ -183,9 +197,16 @@ def in_process_stages(workflow, raw, encoded, ensembles, dtypes, server, repeats
         "client encode": p50_ms(lambda: dataframe_to_inputs(raw, dtypes), repeats),
         "workflow, NVTabular": p50_ms(lambda: workflow._transform_df(raw_table.to_df()), repeats),
     }
-    if "endpoint-fast" in ensembles:
+    if "endpoint-fast" in ensembles or "endpoint-lean" in ensembles:
         fast = compile_workflow(TransformWorkflow(workflow))
         stages["workflow, fast path"] = p50_ms(lambda: fast.transform(None, raw_table), repeats)
+    if "endpoint-fast" in ensembles:  # exported: its graph holds the compiled workflow
+        stages["graph, Merlin's LocalExecutor"] = p50_ms(
+            lambda: ensembles["endpoint-fast"].transform(raw_table), repeats)
+    if "endpoint-lean" in ensembles:
+        # Built once: the chain hands the decoding to the model's op (and captures again).
+        chain = _CHAINS.setdefault("lean", lean_chain(ensembles["endpoint-lean"]))
+        stages["graph, lean chain"] = p50_ms(lambda: chain.transform(raw_table), repeats)
     return {
         **stages,
         "model + top-k (the model alone)": p50_ms(
@@ -195,6 +216,8 @@ def in_process_stages(workflow, raw, encoded, ensembles, dtypes, server, repeats
         "decode": p50_ms(lambda: decode_op.transform(ColumnSelector(list(top_k.columns)),
                                                      top_k), repeats),
         "client decode": p50_ms(lambda: [result.as_numpy(o) for o in outputs], repeats),
+        "client decode to a DataFrame": p50_ms(
+            lambda: response_to_dataframe(result, outputs), repeats),
     }
 
 
@@ -212,7 +235,7 @@ def run(args):
     import torch
 
     from merlin_t4r_ops.serving import triton_server
-    from merlin_t4r_ops.serving.client import _input_specs, model_metadata
+    from merlin_t4r_ops.serving.client import model_spec
     from merlin_t4r_ops.serving.triton_env import stub_threads
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -226,7 +249,7 @@ def run(args):
         ensembles = export(workflow, model, args, device, str(repo))
         with triton_server(repo, timeout=600) as server:
             client = server.client()
-            specs = {path: _input_specs(model_metadata(client, PATHS[path]))[0]
+            specs = {path: model_spec(client, PATHS[path]).dtypes
                      for path in args.paths}
             models = [PATHS[path] for path in args.paths] + (
                 ["0_transformworkflowtriton"] if "endpoint" in args.paths else [])
@@ -245,7 +268,11 @@ def run(args):
                     before = {m: bench.triton_stats(client, m) for m in models}
                     cell_args = args if concurrency == 1 else bench.batch1_budget(args, concurrency)
                     cells = bench.measure_cell(makers, batch, concurrency, cell_args)
-                    after = {m: bench.triton_stats(client, m) for m in models}
+                    sent = {PATHS[path]: cells[path]["requests"] for path in args.paths}
+                    if "endpoint" in args.paths:  # its workflow model answers each of them
+                        sent["0_transformworkflowtriton"] = sent[PATHS["endpoint"]]
+                    after = {m: bench.triton_stats(client, m, before[m], sent.get(m, 0))
+                             for m in models}
                     for path, cell in cells.items():
                         lines.append((path, batch, concurrency, cell))
                         print(format_row(path, batch, concurrency, cell), flush=True)
@@ -254,8 +281,10 @@ def run(args):
                                        cells[path]["p50_ms"] / cells["model"]["p50_ms"]))
                     if concurrency == 1:
                         local = in_process_stages(workflow, raw, encoded, ensembles,
-                                                  specs[args.paths[-1]], server, 30)
-                        stages.append((batch, server_stages(before, after, models), local))
+                                                  specs[args.paths[-1]], server, 30, args.paths)
+                        last = args.paths[-1]
+                        stages.append((batch, server_stages(before, after, models), local,
+                                       (last, cells[last]["p50_ms"])))
     return device, lines, stages, ratios
 
 
@@ -270,10 +299,13 @@ def format_row(path, batch, concurrency, cell):
 
 def stage_tables(stages):
     out = []
-    for batch, server, local in stages:
+    for batch, server, local, (path, call_ms) in stages:
         rows = [f"Batch {batch}: stages in process (p50 ms, one at a time)", "",
                 "| stage | ms |", "|---|---:|"]
         rows += [f"| {stage} | {ms:.3f} |" for stage, ms in local.items()]
+        client = local["client encode"] + local["client decode to a DataFrame"]
+        rows += ["", f"Client encode + decode to a DataFrame: {client:.3f} ms, "
+                     f"{100 * client / call_ms:.1f}% of the {path} call's p50 ({call_ms:.2f} ms)"]
         rows += ["", f"Batch {batch}: Triton, mean ms per request", "",
                  "| model | request (success) | compute_infer |", "|---|---:|---:|"]
         rows += [f"| {model} | {s['success']:.3f} | {s['compute_infer']:.3f} |"

@@ -466,9 +466,17 @@ def bucket_table(ops, rng, args):
     return rows
 
 
-def triton_stats(client, name):
-    """Triton's cumulative inference statistics of one model (counts and nanoseconds)."""
-    stats = client.get_inference_statistics(model_name=name, as_json=True)["model_stats"][0]
+def triton_stats(client, name, before=None, sent=0):
+    """Triton's cumulative inference statistics of one model (counts and nanoseconds).
+
+    Triton counts a request after its answer has left, so they are read once settled: at
+    least ``sent`` requests counted since ``before`` (an earlier ``triton_stats``), and the
+    counts holding still (:func:`merlin_t4r_ops.serving.statistics.settled_statistics`).
+    """
+    from merlin_t4r_ops.serving.statistics import Counts, settled_statistics
+
+    since = Counts(before["requests"], before["executions"]) if before else Counts(0, 0)
+    stats = settled_statistics(client, name, since, expect=sent)
     inference = stats.get("inference_stats", {})
     # Requests (failed ones too) and execute calls: their ratio is the batch Triton formed.
     out = {"requests": int(stats.get("inference_count", 0) or 0),
@@ -578,7 +586,8 @@ def record_cell(makers, batch, concurrency, args, stats_client, result):
         result["rows"].append(cell)
         print(format_row(cell), flush=True)
     for path in triton_paths:
-        after = triton_stats(stats_client, ENSEMBLE_OF[path])
+        after = triton_stats(stats_client, ENSEMBLE_OF[path], before[path],
+                             sent=cells[path]["requests"])
         result["stats"].append(dict(stats_row(before[path], after, path, batch, cells[path]),
                                     concurrency=concurrency))
 

@@ -1,180 +1,249 @@
-"""Training throughput of ``merlin_t4r_ops.training.fit``: single device vs DataParallel vs DDP.
+"""Training throughput: T4R's Trainer, our Trainer, ``fit`` and the model's own pace, side by side.
 
-Measures samples/s and the final training loss of each strategy on synthetic
-sessions, for a next-item XLNet and an XLNet binary classifier, over whatever
-GPUs the machine has, and prints a markdown table. DDP runs relaunch this
-script under ``torch.distributed.run`` (one process per GPU, nccl; or two gloo
-processes on a CPU-only machine), so no process manager is involved.
+One T4R model (continuous projection, ``MLPBlock``, XLNet with 2 layers, causal next-item,
+weight tying) on copies of T4R's packaged ``tabular_sequence_testing_data``, trained by
+each path in turn, in rounds that alternate between the paths (odd rounds in reverse
+order). Each path trains one epoch at most, stopped cleanly at ``--time-limit`` seconds of
+timed steps; the first ``--warmup-steps`` steps are left out of the timing.
+
+Paths (``benchmarks/training_paths.py``):
+
+* ``t4r-trainer``: ``transformers4rec.torch.Trainer.train()``, T4R's own loader;
+* ``trainer``: ``merlin_t4r_ops.training.Trainer.train()``;
+* ``fit``, ``fit-fp16`` (``amp=True``), ``fit-bf16`` (``amp="bf16"``);
+* ``t4r-loader``: a bare loop (forward, backward, Adam) over T4R's own loader;
+* ``cached``: the same bare loop over batches already on the device: the model's own pace;
+* optional: ``fit-compile``, ``fit-bf16-compile`` (``compile=True``), ``cached-fused``
+  (``Adam(fused=True)``).
+
+The table gives the best samples/s of the rounds, the ratio to T4R's Trainer and to
+``cached``, and the GPU's mean utilisation over the timed steps (NVML, sampled every
+0.1 s; "-" without CUDA). A path this checkout cannot run (an option ``fit`` lacks,
+fp16 on a CPU) is reported with the reason and skipped.
 
 Usage::
 
-    python benchmarks/training.py                       # defaults for this machine
-    python benchmarks/training.py --d-model 128 --n-layer 2 --rows 200000 --items 50000
-    python benchmarks/training.py --strategies single,ddp --tasks next-item
-
-Notes
------
-``--batch-size`` is per device: DDP and DataParallel with N GPUs step on
-N x batch examples, so their final loss after the same number of epochs is not
-directly comparable with one device's (N times fewer steps). samples/s leaves
-out the first epoch (warm-up) when ``--epochs`` > 1.
+    python benchmarks/training.py                          # tutorial preset on CUDA, else cpu
+    python benchmarks/training.py --preset large --rounds 2 --json large.json
+    python benchmarks/training.py --paths fit,cached,fit-compile,cached-fused
+    python benchmarks/training.py --profile prof/ --profile-paths fit,cached --profile-steps 20
+    python benchmarks/training.py --workers-sweep 0,2,4,8  # fit with each num_workers
 """
 
 import argparse
+import gc
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-# The synthetic-data/model factory is shared with the tests.
-sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+PRESETS = {
+    # T4R's tutorials' setting, and a larger one; data: T4R's 1,000 sessions copied.
+    "tutorial": dict(batch_size=384, d_model=64, copies=64, time_limit=30.0, warmup_steps=5),
+    "large": dict(batch_size=1024, d_model=128, copies=128, time_limit=30.0, warmup_steps=5),
+    "cpu": dict(batch_size=32, d_model=16, copies=1, time_limit=6.0, warmup_steps=2),
+}
+COMPILE_WARMUP_STEPS = 10  # compilation and CUDA-graph recording happen in the first steps
 
 
 def parse_args(argv=None):
     import torch
 
-    gpu = torch.cuda.is_available()
+    from training_paths import DEFAULT_PATHS, PATHS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tasks", default="next-item,binary", help="comma list of next-item,binary")
-    p.add_argument("--strategies", default="single,dp,ddp", help="comma list of single,dp,ddp")
-    p.add_argument("--d-model", type=int, default=128 if gpu else 32)
-    p.add_argument("--n-layer", type=int, default=2 if gpu else 1)
-    p.add_argument("--rows", type=int, default=100_000 if gpu else 2_000)
-    p.add_argument("--items", type=int, default=20_000 if gpu else 500)
-    p.add_argument("--batch-size", type=int, default=256 if gpu else 64)
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--nproc", type=int, default=None, help="DDP processes (default: GPUs, or 2 on CPU)")
-    p.add_argument("--amp", action="store_true", help="autocast fp16 (GPU only)")
-    p.add_argument("--data", default=None, help="reuse a data directory (else a temp one)")
-    p.add_argument("--json", default=None, help="also write the results here")
-    # Internal: set when this script relaunches itself under torchrun.
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--task", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   default="tutorial" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--paths", default=",".join(DEFAULT_PATHS),
+                   help=f"comma list of {', '.join(PATHS)}")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds of timed steps per path per round (preset's by default)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="steps left out of the timing")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--copies", type=int, default=None, help="copies of T4R's 1,000 sessions")
+    p.add_argument("--num-workers", type=int, default=None,
+                   help="loader workers for fit and our Trainer, where this checkout takes them")
+    p.add_argument("--workers-sweep", default=None,
+                   help="comma list of worker counts: one fit path per count")
+    p.add_argument("--json", default=None, help="also write every round's figures here")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after the rounds, run torch.profiler over --profile-paths into DIR")
+    p.add_argument("--profile-paths", default="fit,cached")
+    p.add_argument("--profile-steps", type=int, default=10)
+    args = p.parse_args(argv)
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.warmup_steps < 1 or args.time_limit <= 0 or args.rounds < 1:
+        p.error(f"--warmup-steps and --rounds take 1 or more, --time-limit more than 0; got "
+                f"{args.warmup_steps}, {args.rounds} and {args.time_limit}")
+    for option in ("paths", "profile_paths"):
+        unknown = [name for name in _names(getattr(args, option)) if name not in PATHS]
+        if unknown:
+            p.error(f"--{option.replace('_', '-')}: unknown {', '.join(unknown)}; "
+                    f"choose from {', '.join(PATHS)}")
+    return args
 
 
-def run_fit(args, task, strategy, data_dir):
-    """One fit() call; returns the result row (meaningful on the main process)."""
-    import t4r_training_factories as factories
+def _names(text):
+    return [n.strip() for n in (text or "").split(",") if n.strip()]
 
-    from merlin_t4r_ops.training import fit, resolve_strategy
 
-    state = resolve_strategy(strategy)
-    schema = factories.session_schema(args.items)
-    model = factories.build_model(task, d_model=args.d_model, n_layer=args.n_layer, schema=schema, seed=0)
-    history = fit(
-        model,
-        os.path.join(data_dir, "train"),
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        strategy=state,
-        seed=0,
-        amp=args.amp,
-        progress=False,
-    )
-    timed = history[1:] if len(history) > 1 else history
-    samples = sum(h["train_samples"] for h in timed)
-    seconds = sum(h["train_seconds"] for h in timed)
-    devices = state.world_size * state.n_devices  # GPUs under dp, processes under ddp
+def _runners(args):
+    from training_paths import PATHS, workers_path
+
+    runners = {name: PATHS[name] for name in _names(args.paths)}
+    for workers in _names(args.workers_sweep):
+        runners[f"fit[workers={int(workers)}]"] = workers_path(int(workers))
+    return runners
+
+
+def measure(name, runner, setting, args, sampler):
+    """One path, one round: samples/s, timed steps, seconds, GPU utilisation, note."""
+    import torch
+
+    from training_paths import StepClock, Unsupported
+
+    warmup = max(args.warmup_steps, COMPILE_WARMUP_STEPS if "compile" in name else 0)
+    clock = StepClock(setting.batch_size, warmup, args.time_limit)
+    note = ""
+    sampler.start()
+    try:
+        runner(setting, clock)
+    except Unsupported as exc:
+        note = f"skipped: {exc}"
+    except Exception as exc:  # one path failing must not cost the others' figures
+        note = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    finally:
+        sampler.stop()
+        gc.collect()  # passes left by an exception close their reading threads
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if not note and clock.timed_steps == 0:
+        note = f"no timed step ({clock.steps} steps, warm-up {warmup})"
+    if clock.done and not note:
+        note = "cut at the time limit"
     return {
-        "task": task,
-        "strategy": state.strategy,
-        "processes": state.world_size,
-        "devices": devices,
-        "device": state.device.type,
-        "samples_per_s": samples / seconds if seconds else float("nan"),
-        "final_loss": history[-1]["train_loss"],
-        "params": sum(p.numel() for p in model.parameters()),
+        "samples_per_s": clock.samples_per_s, "timed_steps": clock.timed_steps,
+        "seconds": clock.seconds, "gpu_util": sampler.mean(clock.start, clock.end),
+        "note": note,
     }
 
 
-def worker(args):
-    import torch.distributed as dist
-
-    row = run_fit(args, args.task, "ddp", args.data)
-    if dist.get_rank() == 0:
-        with open(args.result, "w") as fh:
-            json.dump(row, fh)
-    dist.destroy_process_group()
+def _fmt(value, spec, missing="-"):
+    return missing if value is None else format(value, spec)
 
 
-def run_ddp(args, task, data_dir, nproc, gpu):
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
-        result = fh.name
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        os.path.abspath(__file__), "--worker", "--task", task, "--result", result, "--data", data_dir,
-        "--d-model", str(args.d_model), "--n-layer", str(args.n_layer), "--items", str(args.items),
-        "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
-    ] + (["--amp"] if args.amp else [])
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
-    if not gpu:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // nproc))
-    subprocess.run(cmd, env=env, check=True)
-    with open(result) as fh:
-        row = json.load(fh)
-    os.unlink(result)
-    return row
+def table(results):
+    """Markdown table of the best round of each path, with its ratios."""
+    best = {name: max((r for r in rounds if r["samples_per_s"]), default=rounds[-1],
+                      key=lambda r: r["samples_per_s"] or 0) for name, rounds in results.items()}
+    t4r = (best.get("t4r-trainer") or {}).get("samples_per_s")
+    cached = (best.get("cached") or {}).get("samples_per_s")
+    lines = ["| path | samples/s | / t4r-trainer | / cached | GPU util % | timed steps | rounds "
+             "| note |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for name, row in best.items():
+        rate = row["samples_per_s"]
+        measured = sum(1 for r in results[name] if r["samples_per_s"])
+        lines.append(
+            f"| {name} | {_fmt(rate, ',.0f')} | {_ratio(rate, t4r)} | {_ratio(rate, cached)} "
+            f"| {_fmt(row['gpu_util'], '.1f')} | {row['timed_steps']} "
+            f"| {measured}/{len(results[name])} | {row['note']} |"
+        )
+    return "\n".join(lines)
+
+
+def _ratio(value, reference):
+    return "-" if not value or not reference else f"{value / reference:.2f}"
+
+
+def profile(runners, setting, args):
+    """torch.profiler over ``--profile-steps`` steps of each ``--profile-paths`` path."""
+    import torch
+    from torch.profiler import ProfilerActivity, schedule
+
+    from training_paths import PATHS, StepClock
+
+    os.makedirs(args.profile, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if setting.device.type == "cuda" else [])
+    sort_by = "self_cuda_time_total" if setting.device.type == "cuda" else "self_cpu_time_total"
+    for name in _names(args.profile_paths):
+        runner = runners.get(name) or PATHS[name]
+        wait = max(args.warmup_steps, COMPILE_WARMUP_STEPS if "compile" in name else 0)
+        with torch.profiler.profile(
+            activities=activities,
+            schedule=schedule(wait=wait, warmup=1, active=args.profile_steps, repeat=1),
+        ) as prof:
+            clock = StepClock(setting.batch_size, 1, float("inf"),
+                              max_steps=wait + 1 + args.profile_steps, on_step=prof.step)
+            runner(setting, clock)
+        text = prof.key_averages().table(sort_by=sort_by, row_limit=40)
+        path = os.path.join(args.profile, f"{name}.txt")
+        with open(path, "w") as fh:
+            fh.write(f"{name}: {args.profile_steps} steps after {wait + 1}, sorted by {sort_by}\n")
+            fh.write(text)
+        prof.export_chrome_trace(os.path.join(args.profile, f"{name}.trace.json"))
+        print(f"\nprofile of {name} ({args.profile_steps} steps): {path}")
+        print("\n".join(text.splitlines()[:16]), flush=True)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.worker:
-        return worker(args)
 
-    import t4r_training_factories as factories
     import torch
 
-    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    gpu = n_gpus > 0
-    data_dir = args.data or tempfile.mkdtemp(prefix="t4r-bench-")
-    if not os.path.isdir(os.path.join(data_dir, "train")):
-        nproc_hint = args.nproc or max(n_gpus, 2)
-        # Several files, as a dataset usually comes; shards are balanced by rows anyway.
-        factories.write_sessions(
-            os.path.join(data_dir, "train"), args.rows, seed=0, n_files=2 * nproc_hint, n_items=args.items
-        )
-    rows, skipped = [], []
-    for task in args.tasks.split(","):
-        for strategy in args.strategies.split(","):
-            if strategy == "single":
-                rows.append(run_fit(args, task, "single", data_dir))
-            elif strategy == "dp":
-                if n_gpus < 2:
-                    skipped.append(f"{task}/dp: needs 2+ GPUs, found {n_gpus}")
-                    continue
-                rows.append(run_fit(args, task, "dp", data_dir))
-            elif strategy == "ddp":
-                nproc = args.nproc or (n_gpus if gpu else 2)
-                rows.append(run_ddp(args, task, data_dir, nproc, gpu))
-            else:
-                raise SystemExit(f"--strategies expects single, dp or ddp, got {strategy!r}")
-            print(json.dumps(rows[-1]) if rows else "", flush=True)
+    from gpu_utilisation import UtilisationSampler
+    from merlin_t4r_ops.harmless_warnings import cpu_datasets_quiet
+    from training_paths import Setting, build_model, write_copies
 
-    print()
-    print(
-        f"d_model={args.d_model} n_layer={args.n_layer} rows={args.rows} items={args.items} "
-        f"batch/device={args.batch_size} epochs={args.epochs} amp={args.amp} "
-        f"({n_gpus} GPU(s){', CPU fallback' if not gpu else ''})"
-    )
-    print()
-    print("| task | strategy | processes | devices | samples/s | final train loss |")
-    print("|---|---|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['task']} | {r['strategy']} | {r['processes']} | {r['devices']} {r['device']} "
-            f"| {r['samples_per_s']:.0f} | {r['final_loss']:.4f} |"
-        )
-    for line in skipped:
-        print(f"\nskipped {line}")
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    scratch = tempfile.mkdtemp(prefix="t4r-training-bench-")
+    files = write_copies(os.path.join(scratch, "data"), args.copies)
+    setting = Setting(files=files, batch_size=args.batch_size, d_model=args.d_model,
+                      device=device, scratch=os.path.join(scratch, "out"),
+                      num_workers=args.num_workers)
+    sampler = UtilisationSampler(device.index if device.type == "cuda" else None)
+    rows = 1000 * args.copies
+    params = sum(p.numel() for p in build_model(args.d_model).parameters())
+    print(f"preset {args.preset}: batch {args.batch_size}, d_model {args.d_model}, XLNet 2 layers, "
+          f"{params:,} parameters; {rows:,} sessions ({args.copies} copies), "
+          f"{rows // args.batch_size} steps an epoch; {args.rounds} rounds, time limit "
+          f"{args.time_limit:g} s, warm-up {args.warmup_steps} steps")
+    print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads "
+          f"{torch.get_num_threads()}, GPU sampling "
+          f"{'on' if sampler.available else 'off'}", flush=True)
+
+    runners = _runners(args)
+    results = {name: [] for name in runners}
+    skipped = set()
+    with cpu_datasets_quiet():
+        for round_ in range(args.rounds):
+            order = list(runners) if round_ % 2 == 0 else list(reversed(runners))
+            for name in order:
+                if name in skipped:
+                    continue
+                result = measure(name, runners[name], setting, args, sampler)
+                results[name].append(result)
+                if result["note"].startswith("skipped"):
+                    skipped.add(name)
+                print(f"round {round_ + 1} {name}: {_fmt(result['samples_per_s'], ',.0f')} "
+                      f"samples/s, {result['timed_steps']} steps in "
+                      f"{_fmt(result['seconds'], '.2f')} s, GPU "
+                      f"{_fmt(result['gpu_util'], '.1f')}% {result['note']}", flush=True)
+        print()
+        print(table(results), flush=True)
+        if args.profile:
+            profile(runners, setting, args)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "rows": rows, "skipped": skipped}, fh, indent=2)
+            json.dump({"args": vars(args), "device": str(device), "results": results}, fh, indent=2)
 
 
 if __name__ == "__main__":

@@ -207,6 +207,51 @@ def test_exclude_seen_in_the_graph_equals_eager(form, longer):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("longer", [False, True], ids=["short", "longer-than-the-graph-holds"])
+def test_decoding_in_the_graph_equals_eager_decoding(tmp_path, longer):
+    """The raw ids looked up inside the replay equal the eager top-k decoded on the host by
+    ``DecodeItemIds``; eleven items and a top-11 leave filler slots (-1) in every row."""
+    from merlin.io import Dataset
+    from merlin.systems.dag import Ensemble
+    from merlin.systems.dag.ops.workflow import TransformWorkflow
+
+    from merlin_t4r_ops import DecodeItemIds
+
+    workflow, model, raw = factories.fit_session_workflow(
+        tmp_path, np.random.default_rng(9), n=60, items=12)
+    model = model.cuda()
+
+    def ops(**kwargs):  # built in an Ensemble, which reserves the ids Categorify reserves
+        predict = PredictT4RPyTorch(model, top_k=11, exclude_seen=True, **kwargs)
+        decode = DecodeItemIds(workflow)
+        Ensemble(workflow.input_schema.column_names >> TransformWorkflow(workflow) >> predict
+                 >> decode, workflow.input_schema)
+        return predict, decode
+
+    captured, vocabulary = ops(cuda_graph_buckets=(1, 4, 16))
+    eager, decode = ops(cuda_graph_buckets=None)
+    captured._capture_graphs()
+    assert captured.decode_with(vocabulary.vocabulary)
+    assert captured._graphs.covered == (1, 4, 16), captured._graphs.summary()
+    for rows in (1, 3, 16):
+        df = raw.sample(rows, random_state=rows).reset_index(drop=True)
+        if longer:
+            df[ITEMS] = [np.resize(ids, SEEN_IN_GRAPH + 5) for ids in df[ITEMS]]
+            for column in ("category-list", "price-list"):
+                df[column] = [np.resize(v, SEEN_IN_GRAPH + 5) for v in df[column]]
+        table = TensorTable.from_df(
+            workflow.transform(Dataset(df, npartitions=1)).to_ddf().compute())
+        got, want = captured.predict(table), eager.predict(table)
+        want["item_ids"] = decode.vocabulary.decode(want["item_ids"])
+        assert got["item_ids"].dtype == np.int64
+        np.testing.assert_array_equal(got["item_ids"], want["item_ids"])
+        np.testing.assert_allclose(got["item_id_scores"], want["item_id_scores"],
+                                   rtol=RTOL, atol=ATOL)
+        assert (got["item_ids"] == -1).any()
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_larger_batches_run_eagerly_and_the_log_says_so(caplog):
     model = factories.next_item_model("gpt2", seed=8).cuda()
     op = PredictT4RPyTorch(model, top_k=4, cuda_graph_buckets=(1, 2, 4))

@@ -9,6 +9,7 @@ import tritonclient.grpc.model_config_pb2 as model_config
 from google.protobuf import text_format
 from merlin.schema import ColumnSchema, Schema
 from merlin.systems.dag import Ensemble
+from merlin.systems.triton.conversions import tensor_names
 from merlin.table import TensorTable
 
 import t4r_factories as factories
@@ -28,6 +29,7 @@ SCHEMA = Schema([
     ColumnSchema("items", dtype=np.int64, is_list=True, is_ragged=True),
     ColumnSchema("user", dtype=np.int64),
 ])
+NAMES = tensor_names(SCHEMA)
 
 
 def _request(sessions, users, offsets_dtype=np.int32):
@@ -58,7 +60,7 @@ def _merlin_executor_model():
 # -- merging requests and splitting the answers ---------------------------------------------
 
 def test_requests_are_concatenated_row_wise_and_split_back_in_order():
-    requests = [request_rows(_request(s, u), SCHEMA) for s, u in (
+    requests = [request_rows(_request(s, u), SCHEMA, NAMES) for s, u in (
         ([[1, 2], [3]], [10, 11]), ([[4, 5, 6]], [12]), ([[], [7], [8, 9]], [13, 14, 15]))]
     assert [r.rows for r in requests] == [2, 1, 3]
     merged = concat_requests(requests, SCHEMA)
@@ -104,7 +106,7 @@ def _with(arrays, name, values):
 def test_bad_offsets_name_the_input(offsets, message):
     arrays = _with(_request([[1, 2], [3], [4, 5]], [1, 2, 3]), "items__offsets", offsets)
     with pytest.raises(InvalidRequestError, match=message):
-        request_rows(arrays, SCHEMA)
+        request_rows(arrays, SCHEMA, NAMES)
 
 
 def test_float_offsets_name_the_input():
@@ -112,7 +114,7 @@ def test_float_offsets_name_the_input():
     arrays["items__offsets"] = arrays["items__offsets"].astype(np.float32)
     with pytest.raises(InvalidRequestError,
                        match="input 'items__offsets': offsets must be integers, got dtype float32"):
-        request_rows(arrays, SCHEMA)
+        request_rows(arrays, SCHEMA, NAMES)
 
 
 def test_a_batch_of_two_in_one_request_is_refused():
@@ -120,14 +122,14 @@ def test_a_batch_of_two_in_one_request_is_refused():
     arrays["user"] = np.array([[1], [2]])
     with pytest.raises(InvalidRequestError,
                        match=r"input 'user': .* leading dimension must be 1, got shape \[2, 1\]"):
-        request_rows(arrays, SCHEMA)
+        request_rows(arrays, SCHEMA, NAMES)
 
 
 def test_inputs_that_disagree_on_rows_are_refused_before_merging():
     arrays = _with(_request([[1, 2], [3]], [1, 2]), "user", [1, 2, 3])
     with pytest.raises(InvalidRequestError, match="inputs disagree on the number of rows: "
                                                   r"\{'items__offsets': 2, 'user': 3\}"):
-        request_rows(arrays, SCHEMA)
+        request_rows(arrays, SCHEMA, NAMES)
 
 
 def test_a_missing_input_is_named():
@@ -135,7 +137,7 @@ def test_a_missing_input_is_named():
     del arrays["items__offsets"]
     with pytest.raises(InvalidRequestError, match=r"^input 'items__offsets' is missing: the "
                                                   r"request sent 2 of the 3 inputs$"):
-        request_rows(arrays, SCHEMA)
+        request_rows(arrays, SCHEMA, NAMES)
 
 
 # -- what the runtimes write ----------------------------------------------------------------
@@ -253,7 +255,8 @@ def test_a_bad_request_among_sixteen_fails_alone_in_a_few_runs():
         df = factories.random_sessions(2, np.random.default_rng(seed))
         if seed == bad_at:
             df.at[0, "item_id-list"] = df.at[0, "item_id-list"] + factories.ITEMS
-        return request_rows(with_batch_dim(dataframe_arrays(df, dtypes)), model.input_schema)
+        return request_rows(with_batch_dim(dataframe_arrays(df, dtypes)), model.input_schema,
+                            tensor_names(model.input_schema))
 
     def run(batch):
         runs.append(len(batch))

@@ -17,31 +17,12 @@ from tritonclient.utils import InferenceServerException
 import t4r_factories as factories
 from conftest import BATCHED_MODEL, BATCHED_WORKFLOW, TOP_K
 from merlin_t4r_ops.serving.client import arrays_to_inputs, dataframe_arrays, infer_dataframe
+from merlin_t4r_ops.serving.statistics import counts, counts_since
 
 RTOL, ATOL = 1e-5, 1e-6
 DTYPES = {"item_id-list__values": np.int64, "item_id-list__offsets": np.int32,
           "category-list__values": np.int64, "category-list__offsets": np.int32,
           "price-list__values": np.float32, "price-list__offsets": np.int32}
-
-
-def _counts(client, model):
-    """(successful requests, execute calls) Triton has counted for ``model`` so far."""
-    stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
-    return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
-
-
-def _counts_since(client, model, before, requests, timeout=60):
-    """(requests, execute calls) since ``before``, once Triton has counted ``requests``.
-
-    Triton updates its statistics after the responses leave: read at once, on a loaded
-    machine, they can still show none of the requests just answered.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        counted = np.subtract(_counts(client, model), before)
-        if counted[0] >= requests or time.monotonic() > deadline:
-            return counted
-        time.sleep(0.05)
 
 
 def _concurrently(triton, clients, requests_each, ask):
@@ -76,7 +57,7 @@ def test_concurrent_clients_get_the_eager_answer_for_their_own_rows(triton, clie
                                                                     served_models):
     pool = factories.random_sessions(300, np.random.default_rng(21))
     expected = factories.eager_scores(served_models["next_item_full"], pool)
-    before = _counts(client, BATCHED_MODEL)
+    before = counts(client, BATCHED_MODEL)
 
     def ask(client, rng):
         rows = rng.choice(len(pool), size=int(rng.integers(1, 6)), replace=False)
@@ -91,7 +72,7 @@ def test_concurrent_clients_get_the_eager_answer_for_their_own_rows(triton, clie
 
     problems = _concurrently(triton, clients=12, requests_each=15, ask=ask)
     assert not problems, problems[:5]
-    requests, executions = _counts_since(client, BATCHED_MODEL, before, 12 * 15)
+    requests, executions = counts_since(client, BATCHED_MODEL, before, expect=12 * 15)
     assert requests == 12 * 15
     # Several requests per execute call, or nothing was batched at all.
     assert executions < requests / 2, (requests, executions)
@@ -173,9 +154,10 @@ def test_a_bad_request_fails_alone_and_its_batch_is_answered(client, served_mode
     payloads = [arrays for _, arrays in goods]
     payloads.insert(bad_at, spoil(_good(99)[1]))
     for _ in range(5):  # until the requests shared one execute call (on a loaded machine)
-        before = _counts(client, BATCHED_MODEL)
+        before = counts(client, BATCHED_MODEL)
         results = _send_together(client, payloads)
-        requests, executions = _counts_since(client, BATCHED_MODEL, before, len(payloads))
+        requests, executions = counts_since(client, BATCHED_MODEL, before,
+                                           expect=len(payloads))
         if executions < len(goods):
             break
     assert executions < len(goods), "the requests never shared an execute call"

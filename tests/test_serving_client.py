@@ -88,3 +88,14 @@ def test_metadata_is_read_once_per_client_and_model(triton, monkeypatch):
     calls.clear()
     infer_dataframe(client, df, model_name="next_item_full", refresh_metadata=True)
     assert sorted(calls) == ["get_model_config", "get_model_metadata", "infer"]
+
+
+@pytest.mark.parametrize("extra", ["session_id", "item_id_list__values"])
+def test_a_dtypes_name_the_model_does_not_declare_is_refused_naming_it(client, extra):
+    df = _sessions().assign(session_id=1)
+    with pytest.raises(InvalidRequestError,
+                       match=rf"^dtypes names '{extra}', which model 'next_item_full' does not "
+                             r"declare; it declares \['category-list__offsets', .*"
+                             r"'price-list__values'\]$"):
+        infer_dataframe(client, df, model_name="next_item_full",
+                        dtypes={**DTYPES, extra: np.int64})

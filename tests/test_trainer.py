@@ -222,6 +222,18 @@ def test_local_process_zero_is_local_rank_0_and_world_zero_alone_saves(ddp_run):
     ]
 
 
+def test_ddp_trainer_settles_unused_parameters_as_fit_does(ddp_run):
+    """``ddp_find_unused_parameters`` unset: one probe batch, the parameters no rank uses
+    (XLNet's ``mask_emb``, ...) frozen while training, plain DDP (training/policy.py).
+
+    Before, Hugging Face passed ``find_unused_parameters=True`` for any non-``PreTrainedModel``:
+    DDP searched the autograd graph for unused parameters after every forward pass.
+    """
+    reports, _ = ddp_run
+    assert [r["find_unused_parameters"] for r in reports] == [False, False]
+    assert all(r["all_trainable_after"] for r in reports)
+
+
 def test_ddp_weights_identical_and_in_users_model(ddp_run, data):
     reports, (w0, w1) = ddp_run
     assert w0.keys() == w1.keys()

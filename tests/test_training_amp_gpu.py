@@ -1,4 +1,5 @@
-"""Mixed precision on one GPU: the scheduler follows the steps taken; bf16 evaluates in bf16.
+"""Mixed precision on one GPU: the scheduler follows the steps taken; bf16 evaluates in bf16;
+fit's step options (fp16, bf16, compile, fused Adam) each train.
 
 On T4R's packaged ``tabular_sequence_testing_data``. Skipped with a reason without a GPU.
 """
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import t4r_training_factories as factories
-from merlin_t4r_ops.training import DistributedState, Trainer, fit
+from merlin_t4r_ops.training import DistributedState, Trainer, fit, load_checkpoint, unwrap_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_scripts"))
 from trainer_common import make_args  # noqa: E402
@@ -67,3 +68,53 @@ def test_trainer_bf16_evaluation_runs_in_bfloat16(tmp_path):
     finally:
         hook.remove()
     assert seen == [torch.bfloat16]
+
+
+CUDA_SINGLE = DistributedState("single", 0, 0, 1, torch.device("cuda:0"), "one GPU")
+STEP_OPTIONS = {  # fit's step options, each on its own
+    "fp16": dict(amp="fp16"),
+    "bf16": dict(amp="bf16"),
+    "compile": dict(compile=True),
+    "bf16-compile": dict(amp="bf16", compile=True),
+    "fused-adam": dict(),  # the default optimizer on CUDA
+}
+
+
+def _train(tmp_path, epochs=3, **options):
+    """fit on T4R's 1,000 testing sessions, batches of 50 with drop_last (static shapes)."""
+    model = factories.testing_model("clm", d_model=32)
+    history = fit(model, factories.testing_dataset(factories.testing_frame()), epochs=epochs,
+                  batch_size=50, drop_last=True, strategy=CUDA_SINGLE, seed=0, progress=False,
+                  checkpoint_dir=str(tmp_path), **options)
+    return model, history, load_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("name", list(STEP_OPTIONS))
+def test_each_step_option_trains_and_the_loss_falls(name, tmp_path):
+    model, history, checkpoint = _train(tmp_path, **STEP_OPTIONS[name])
+    losses = [h["train_loss"] for h in history]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+    assert unwrap_model(model) is model and next(model.parameters()).is_cuda
+    assert not [key for key in checkpoint["model"] if "_orig_mod" in key]
+
+
+def test_bf16_makes_no_grad_scaler_and_fp16_makes_one(tmp_path):
+    *_, bf16 = _train(tmp_path / "bf16", epochs=1, amp="bf16")
+    *_, fp16 = _train(tmp_path / "fp16", epochs=1, amp="fp16")
+    assert bf16["scaler"] is None
+    assert fp16["scaler"] is not None and fp16["scaler"]["scale"] > 0
+
+
+def test_the_default_optimizer_on_cuda_is_fused_adam_with_fits_hyperparameters(tmp_path):
+    *_, checkpoint = _train(tmp_path, epochs=1, lr=3e-3)
+    group = checkpoint["optimizer"]["param_groups"][0]
+    assert group["fused"] is True
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (
+        3e-3, (0.9, 0.999), 1e-8, 0)
+
+
+def test_compiled_training_follows_the_eager_loss_curve(tmp_path):
+    _, eager, _ = _train(tmp_path / "eager", epochs=2)
+    _, compiled, _ = _train(tmp_path / "compiled", epochs=2, compile=True)
+    for e, c in zip(eager, compiled):
+        assert c["train_loss"] == pytest.approx(e["train_loss"], rel=1e-3)

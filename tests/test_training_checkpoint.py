@@ -87,7 +87,9 @@ def test_killed_run_resumes_to_the_same_weights(data, uninterrupted, tmp_path):
 
 def test_checkpoint_is_weights_only_loadable_and_complete(data, tmp_path):
     model, history = train(data, 1, ckpt=tmp_path)
-    assert sorted(os.listdir(tmp_path)) == [CHECKPOINT_NAME]
+    # The checkpoint and fit's log (TensorBoard's runs/ where installed), no temporary file.
+    assert {CHECKPOINT_NAME, "log.csv"} <= set(os.listdir(tmp_path)) <= {
+        CHECKPOINT_NAME, "log.csv", "runs"}
     payload = torch.load(tmp_path / CHECKPOINT_NAME, weights_only=True)
     assert payload["epoch"] == 1 and payload["world_size"] == 1
     assert set(payload) >= {"model", "optimizer", "lr_scheduler", "rng", "history"}

@@ -111,6 +111,13 @@ class PredictT4RPyTorch(BaseOperator):
         padded up to the next bucket and replayed, larger ones run eagerly (see
         :mod:`merlin_t4r_ops.ops.cuda_graphs`). Default 1, 2, 4, ..., 256; ``None`` or
         ``()`` runs every request eagerly. Ignored on the CPU.
+    decode_in_graph : bool, default True
+        Where the executor runs this top-k in the lean chain (workflow >> this operator >>
+        ``DecodeItemIds``, see :mod:`merlin_t4r_ops.runtime.chain`) and the shop's item ids
+        are signed integers, look the raw ids up on the model's device, right after the
+        top-k (inside the captured CUDA graph): the ``DecodeItemIds`` after it then has
+        nothing left to do. False: ``DecodeItemIds`` decodes on the host, as in any other
+        graph. String ids are always decoded on the host, with one ``take``.
 
     Notes
     -----
@@ -141,6 +148,7 @@ class PredictT4RPyTorch(BaseOperator):
         max_sequence_length: Optional[int] = None,
         device=None,
         cuda_graph_buckets: Optional[Sequence[int]] = DEFAULT_BUCKETS,
+        decode_in_graph: bool = True,
     ):
         super().__init__()
         model = unwrap_model(model)
@@ -176,6 +184,8 @@ class PredictT4RPyTorch(BaseOperator):
         self._specs = input_specs(self._input_schema, self._embedding_rows)
         self._artifact_dir = self._shared.folder
         self.cuda_graph_buckets = check_buckets(cuda_graph_buckets)
+        self.decode_in_graph = bool(decode_in_graph)
+        self._decoder = None  # an ItemVocabulary once decode_with accepts one
 
     # -- graph contract ------------------------------------------------------------------
     def _is_next_item(self) -> bool:
@@ -355,6 +365,8 @@ class PredictT4RPyTorch(BaseOperator):
         state = {name: None if holds_any(value, kept_out) else value
                  for name, value in self.__dict__.items()}
         state.pop("_graphs", None)  # CUDA graphs: captured again at load
+        state.pop("_lookup_cache", None)
+        state["_decoder"] = None  # the lean chain hands the vocabulary over at load
         return state
 
     def save_artifacts(self, artifact_path=None) -> None:
@@ -489,8 +501,35 @@ class PredictT4RPyTorch(BaseOperator):
     def _top_k_of(self, masked: torch.Tensor) -> Dict[str, torch.Tensor]:
         ids, values = top_k_unmasked(masked, self.top_k)
         ids_name, scores_name = self._output_schema.column_names
+        if self.__dict__.get("_decoder") is not None:  # the shop's ids, looked up here
+            return {ids_name: torch.take(self._lookup_on(ids.device), ids.long() + 1),
+                    scores_name: values}
         id_dtype = torch.from_numpy(np.zeros(0, self._output_schema[ids_name].dtype.to_numpy))
         return {ids_name: ids.to(id_dtype.dtype), scores_name: values}
+
+    def decode_with(self, vocabulary) -> bool:
+        """Answer the shop's raw ids from now on, looked up in ``vocabulary`` on the device.
+
+        Called by the lean chain for the ``DecodeItemIds`` that follows this top-k. Accepts
+        (returns True) only with ``decode_in_graph`` and signed integer raw ids; the CUDA
+        graphs captured so far are captured again with the lookup inside.
+        """
+        if not (getattr(self, "decode_in_graph", True) and self.top_k is not None
+                and vocabulary.decodes_on_device):
+            return False
+        self._decoder = vocabulary
+        self.__dict__.pop("_lookup_cache", None)
+        if self.__dict__.get("_graphs") is not None:
+            self._capture_graphs()
+        return True
+
+    def _lookup_on(self, device: torch.device) -> torch.Tensor:
+        """The decoder's encoded-to-raw table on ``device``, made once (as ``_reserved_on``)."""
+        cache = self.__dict__.get("_lookup_cache") or {}
+        if device not in cache:
+            cache[device] = self._decoder.device_lookup(device)
+            self._lookup_cache = cache
+        return cache[device]
 
     def _captured_top_k(self, inputs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """What a graph captures with ``exclude_seen``: the forward, the reserved ids and

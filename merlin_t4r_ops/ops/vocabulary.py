@@ -11,6 +11,7 @@ files: ``raw_ids.parquet`` (one Arrow column, int or UTF-8 string, no pandas met
 no pickle) and ``vocabulary.json`` (column name, first encoded id, count, kind).
 """
 
+import functools
 import io
 import json
 import warnings
@@ -102,10 +103,36 @@ class ItemVocabulary:
         first_id, raw_ids = _read_unique_values(categorify, encoded)
         return cls(column, first_id, raw_ids)
 
+    @functools.cached_property
+    def lookup(self) -> np.ndarray:
+        """The raw id of encoded id ``e`` at ``lookup[e + 1]``: ``lookup[0]`` is :attr:`filler`
+        (for ``FILLER_ID``, -1), the reserved ids have the filler too, then :attr:`raw_ids`.
+
+        The one table behind :meth:`decode` (a numpy ``take``) and :meth:`device_lookup`
+        (the same lookup inside the operator's CUDA graph).
+        """
+        head = np.full(1 + self.first_id, self.filler, dtype=self.raw_ids.dtype)
+        return np.concatenate([head, self.raw_ids])
+
+    @property
+    def decodes_on_device(self) -> bool:
+        """Whether torch can hold the raw ids: signed integers (not strings, not unsigned)."""
+        return self.raw_ids.dtype.kind == "i"
+
+    def device_lookup(self, device):
+        """:attr:`lookup` as a torch tensor on ``device`` (signed integer ids only)."""
+        import torch
+
+        if not self.decodes_on_device:
+            raise T4ROpsError(
+                f"the raw ids of {self.column!r} are {self.raw_ids.dtype}, which torch cannot "
+                "look up on a device; only signed integer ids decode there")
+        return torch.from_numpy(self.lookup).to(device)
+
     def decode(self, encoded: np.ndarray, source: str = "item_ids") -> np.ndarray:
-        """Raw ids for an array of encoded ids, same shape; ``FILLER_ID`` becomes
-        :attr:`filler`. Reserved or unknown ids raise an error that names ``source``, the
-        column they came from."""
+        """Raw ids for an array of encoded ids, same shape, with one ``take`` of
+        :attr:`lookup`; ``FILLER_ID`` becomes :attr:`filler`. Reserved or unknown ids raise
+        an error that names ``source``, the column they came from."""
         encoded = np.asarray(encoded)
         filler = encoded == FILLER_ID
         if encoded.size:
@@ -118,11 +145,7 @@ class ItemVocabulary:
                     f"{self.first_id + len(self.raw_ids) - 1}, and Categorify reserves the ids "
                     f"below {self.first_id} for padding, nulls and out-of-vocabulary items"
                 )
-        if not filler.any():
-            return self.raw_ids[encoded - self.first_id]
-        raw = self.raw_ids[np.where(filler, self.first_id, encoded) - self.first_id]
-        raw[filler] = self.filler
-        return raw
+        return np.take(self.lookup, encoded.astype(np.int64, copy=False) + 1)
 
     # -- artifact files --------------------------------------------------------------------
     def to_files(self) -> Dict[str, bytes]:

@@ -14,7 +14,6 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, TypeVar
 import numpy as np
 
 from merlin.schema import Schema
-from merlin.systems.triton.conversions import tensor_names
 from merlin.table import TensorTable
 from merlin_t4r_ops.errors import InvalidRequestError
 from merlin_t4r_ops.ops.inputs import _lengths_from_offsets
@@ -43,7 +42,8 @@ def _without_batch_dim(name: str, array: np.ndarray) -> np.ndarray:
     return array[0]
 
 
-def request_rows(arrays: Arrays, schema: Schema, *, batch_dim: bool = True) -> RequestRows:
+def request_rows(arrays: Arrays, schema: Schema, input_names: Sequence[str], *,
+                 batch_dim: bool = True) -> RequestRows:
     """Check one request's tensors against the ensemble's input ``schema``.
 
     Parameters
@@ -53,6 +53,9 @@ def request_rows(arrays: Arrays, schema: Schema, *, batch_dim: bool = True) -> R
         ``batch_dim`` (a model with ``max_batch_size > 0``), as Merlin declares them otherwise.
     schema : merlin.schema.Schema
         The ensemble's input schema.
+    input_names : sequence of str
+        The Triton inputs ``schema`` declares (``merlin.systems.triton.conversions.tensor_names``),
+        derived once by the caller rather than on every request.
     batch_dim : bool
         Whether every array carries the request's leading batch dimension of 1.
 
@@ -63,11 +66,10 @@ def request_rows(arrays: Arrays, schema: Schema, *, batch_dim: bool = True) -> R
         are not integers, do not start at 0, decrease, or miss the number of values, and
         inputs that disagree on the number of rows.
     """
-    expected = tensor_names(schema)
-    missing = [name for name in expected if name not in arrays]
+    missing = [name for name in input_names if name not in arrays]
     if missing:
         raise InvalidRequestError(f"input {missing[0]!r} is missing: the request sent "
-                                  f"{len(arrays)} of the {len(expected)} inputs")
+                                  f"{len(arrays)} of the {len(input_names)} inputs")
     stripped = ({name: _without_batch_dim(name, array) for name, array in arrays.items()}
                 if batch_dim else arrays)
     rows = {}

@@ -13,6 +13,11 @@ batcher hands ``execute`` several requests: their rows run as one table (at most
 ``max_batch_rows`` rows, the config parameter) and each request is answered with its own
 rows, in order. When a batch fails with a request error it runs again in halves, so a bad
 request fails alone and the others are answered.
+
+Where the runtime asked for it (the ``lean_chain`` config parameter) and the graph is the
+linear chain workflow >> ``PredictT4RPyTorch`` >> ``DecodeItemIds``, the operators run one
+after the other (:mod:`merlin_t4r_ops.runtime.chain`) instead of through Merlin's
+``LocalExecutor``; the load report in the server's log says which executor runs.
 """
 
 import json
@@ -43,7 +48,8 @@ from merlin_t4r_ops.runtime.replies import (
     wire_message,
 )
 
-from merlin_t4r_ops.runtime.runtime import MAX_BATCH_ROWS_PARAMETER
+from merlin_t4r_ops.runtime.chain import lean_chain, why_not_a_chain
+from merlin_t4r_ops.runtime.runtime import LEAN_CHAIN_PARAMETER, MAX_BATCH_ROWS_PARAMETER
 
 
 class TritonPythonModel(MerlinExecutorModel):
@@ -64,6 +70,10 @@ class TritonPythonModel(MerlinExecutorModel):
         self.max_rows = int(max_rows) if max_rows else None
         self.runtime = TritonExecutorRuntime()
         self.input_names = tensor_names(self.ensemble.input_schema)
+        wanted = parameters.get(LEAN_CHAIN_PARAMETER, {}).get("string_value") == "true"
+        self.chain = lean_chain(self.ensemble) if wanted else None
+        pb_utils.Logger.log_info(f"{self.name}: " + _executor_report(wanted, self.ensemble,
+                                                                       self.chain))
 
     def execute(self, requests):
         """One response per request, in order: its rows' outputs, or its own error."""
@@ -77,7 +87,7 @@ class TritonPythonModel(MerlinExecutorModel):
                 sent = {tensor.name() for tensor in request.inputs()}
                 arrays = {name: _array_from_triton_tensor(request, name)
                           for name in self.input_names if name in sent}
-                rows = request_rows(arrays, self.ensemble.input_schema,
+                rows = request_rows(arrays, self.ensemble.input_schema, self.input_names,
                                     batch_dim=self.batch_dim)
             except Exception as exc:  # noqa: BLE001 - the request is answered with it
                 responses[index] = self._error_response(exc)
@@ -98,7 +108,10 @@ class TritonPythonModel(MerlinExecutorModel):
 
     def _run(self, requests):
         table = concat_requests(requests, self.ensemble.input_schema)
-        outputs = self.ensemble.transform(table, runtime=self.runtime)
+        if self.chain is not None:
+            outputs = self.chain.transform(table)
+        else:
+            outputs = self.ensemble.transform(table, runtime=self.runtime)
         return [self._response(piece)
                 for piece in split_outputs(outputs, [rows.rows for rows in requests])]
 
@@ -118,3 +131,15 @@ class TritonPythonModel(MerlinExecutorModel):
             code = pb_utils.TritonError.INTERNAL
         return pb_utils.InferenceResponse(
             output_tensors=[], error=pb_utils.TritonError(wire_message(exc), code))
+
+
+def _executor_report(wanted, ensemble, chain):
+    if not wanted:
+        return "Merlin's LocalExecutor runs the graph (lean_chain=False)"
+    if chain is not None:
+        where = ("the model's device, after its top-k" if chain.decodes_in_graph
+                 else "the host (DecodeItemIds)")
+        return ("the lean chain runs the graph (workflow >> model >> decode); ids decoded on "
+                + where)
+    why = why_not_a_chain(ensemble)
+    return f"Merlin's LocalExecutor runs the graph: it is not the lean chain, {why}"

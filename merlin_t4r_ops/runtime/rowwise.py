@@ -11,7 +11,7 @@ from typing import List
 
 from merlin.dag import postorder_iter_nodes
 
-__all__ = ["CROSS_ROW_OPS", "cross_row_ops"]
+__all__ = ["CROSS_ROW_OPS", "cross_row_ops", "served_workflows"]
 
 CROSS_ROW_OPS = ("Groupby", "Filter", "Dropna", "DifferenceLag")
 
@@ -22,13 +22,20 @@ def _workflow(op):
     return getattr(op, "workflow", None) or getattr(getattr(op, "op", None), "workflow", None)
 
 
+def _ensemble_nodes(ensemble):
+    return postorder_iter_nodes(ensemble.graph.output_node, flatten_subgraphs=True)
+
+
+def served_workflows(ensemble) -> list:
+    """The NVTabular workflows that ``ensemble``'s ``TransformWorkflow`` operators serve."""
+    found = (_workflow(node.op) for node in _ensemble_nodes(ensemble))
+    return [workflow for workflow in found if workflow is not None]
+
+
 def cross_row_ops(ensemble) -> List[str]:
     """Names of the operators in ``ensemble`` (workflows included) that cross rows."""
-    found = []
-    for node in postorder_iter_nodes(ensemble.graph.output_node, flatten_subgraphs=True):
-        ops = [node.op]
-        workflow = _workflow(node.op)
-        if workflow is not None:
-            ops += [n.op for n in postorder_iter_nodes(workflow.output_node)]
-        found += [type(op).__name__ for op in ops if type(op).__name__ in CROSS_ROW_OPS]
+    ops = [node.op for node in _ensemble_nodes(ensemble)]
+    for workflow in served_workflows(ensemble):
+        ops += [n.op for n in postorder_iter_nodes(workflow.output_node)]
+    found = [type(op).__name__ for op in ops if type(op).__name__ in CROSS_ROW_OPS]
     return list(dict.fromkeys(found))

@@ -108,6 +108,7 @@ def save_checkpoint(
     scaler=None,
     step: int = 0,
     epoch_totals: Optional[torch.Tensor] = None,
+    log_step: Optional[int] = None,
 ) -> Optional[str]:
     """Write ``last.pt`` after ``epoch`` completed epochs and ``step`` batches; call on every rank.
 
@@ -128,6 +129,9 @@ def save_checkpoint(
         Batches (optimizer steps) already taken in epoch ``epoch + 1``: 0 at an epoch's end.
     epoch_totals : torch.Tensor, optional
         That epoch's running totals over all ranks (``fit``'s loss sum, batches, rows).
+    log_step : int, optional
+        The last optimizer step in the run's log (``fit``'s ``RunLog``): a resumed run
+        drops the log's later rows. None where nothing was logged.
 
     Returns
     -------
@@ -143,6 +147,7 @@ def save_checkpoint(
             "epoch": int(epoch),
             "step": int(step),
             "epoch_totals": epoch_totals,
+            "log_step": log_step,
             "world_size": state.world_size,
             "model": unwrap_model(model).state_dict(),
             "optimizer": optimizer.state_dict(),

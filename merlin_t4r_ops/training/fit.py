@@ -54,7 +54,6 @@ from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from merlin_t4r_ops.errors import StrategyError
@@ -62,20 +61,34 @@ from merlin_t4r_ops.training.checkpoint import load_checkpoint, save_checkpoint,
 from merlin_t4r_ops.training.data import (
     ShardedLoader,
     batches_of,
-    first_batch,
     make_loader,
     to_device,
 )
 from merlin_t4r_ops.training.data_parallel import forward_batch, rank_loss
 from merlin_t4r_ops.training.run_log import RunLog
+from merlin_t4r_ops.training.step import (
+    autocast,
+    check_amp,
+    check_compile,
+    compile_model,
+    default_optimizer,
+    grad_scaler,
+)
 from merlin_t4r_ops.training.metrics import MetricAccumulator
+from merlin_t4r_ops.training.policy import (
+    DEFAULT_SEED,
+    data_order_seed,
+    log_folder,
+    seed_everything,
+    settle_unused_parameters,
+)
 from merlin_t4r_ops.training.state import (
     DistributedState,
     prepare_model,
     resolve_strategy,
     unwrap_model,
 )
-from merlin_t4r_ops.training.unused import freeze, probe_unused_parameters, restore_requires_grad
+from merlin_t4r_ops.training.unused import restore_requires_grad
 
 __all__ = ["fit", "evaluate"]
 
@@ -97,10 +110,8 @@ def _batch_rows(x) -> int:
     return 0
 
 
-def _autocast(amp: bool, state: DistributedState):
-    if not amp:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type="cuda", dtype=torch.float16)
+def _autocast(amp, state: DistributedState):
+    return autocast(amp, state.device)
 
 
 def evaluate(
@@ -111,7 +122,7 @@ def evaluate(
     num_workers: Optional[int] = None,
     pin_memory: Optional[bool] = None,
     batch_size: int = 32,
-    amp: bool = False,
+    amp: Union[bool, str] = False,
 ) -> dict:
     """Evaluate a T4R model over ``eval_data``; under DDP, exactly over all shards.
 
@@ -127,8 +138,9 @@ def evaluate(
         See :func:`fit`.
     batch_size : int
         Per-device batch size (times the GPU count under DataParallel).
-    amp : bool
-        Autocast the forward pass (CUDA only).
+    amp : {False, True, "fp16", "bf16"}
+        Autocast the forward pass: ``True``/``"fp16"`` to float16 (CUDA only),
+        ``"bf16"`` to bfloat16.
 
     Returns
     -------
@@ -137,6 +149,7 @@ def evaluate(
         :class:`~merlin_t4r_ops.training.metrics.MetricAccumulator`).
     """
     state = _state(strategy)
+    check_amp(amp, state)
     loader = make_loader(eval_data, model, state, batch_size=batch_size, shuffle=False,
                          num_workers=num_workers, pin_memory=pin_memory)
     model = unwrap_model(model)
@@ -170,11 +183,7 @@ def _check_args(epochs, batch_size, amp, state, resume, checkpoint_dir, lr_sched
         raise ValueError(f"epochs must be a non-negative int, got {epochs!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int (per device), got {batch_size!r}")
-    if amp and state.device.type != "cuda":
-        raise StrategyError(
-            f"amp=True expects a CUDA device (autocast float16 + GradScaler); this process "
-            f"trains on {state.device} (strategy {state.strategy!r}). Pass amp=False on CPU"
-        )
+    check_amp(amp, state)
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True expects checkpoint_dir= naming where checkpoints are, got None")
     if lr_scheduler_interval not in ("epoch", "step"):
@@ -191,7 +200,8 @@ def fit(
     epochs: int = 1,
     strategy: Union[str, DistributedState] = "auto",
     eval_data=None,
-    amp: bool = False,
+    amp: Union[bool, str] = False,
+    compile: bool = False,
     batch_size: int = 32,
     eval_batch_size: Optional[int] = None,
     lr: float = 1e-3,
@@ -202,7 +212,8 @@ def fit(
     checkpoint_dir=None,
     save_steps: Optional[int] = None,
     resume: bool = False,
-    seed: Optional[int] = None,
+    seed: Optional[int] = DEFAULT_SEED,
+    data_seed: Optional[int] = None,
     shuffle: bool = True,
     drop_last: bool = False,
     find_unused_parameters: Optional[bool] = None,
@@ -236,7 +247,7 @@ def fit(
         identical); loaders without ``len()`` fall back to DDP's ``join``
         context manager, which cannot hang but lets optimizer states drift.
     optimizer : torch.optim.Optimizer, optional
-        Over ``model.parameters()``; default ``Adam(lr=lr)``.
+        Over ``model.parameters()``; default ``Adam(lr=lr)``, fused on CUDA.
     epochs : int
         Total number of epochs, counting those already done when resuming.
     strategy : {"auto", "single", "dp", "ddp"} or DistributedState
@@ -244,9 +255,15 @@ def fit(
     eval_data : optional
         Same forms as ``train_data``; evaluated after each epoch on every rank
         over its shard, metrics reduced exactly over the whole set.
-    amp : bool
-        ``torch.autocast`` float16 + ``GradScaler``; CUDA only, on CPU it
-        raises :class:`StrategyError` rather than silently training in fp32.
+    amp : {False, True, "fp16", "bf16"}
+        ``True`` or ``"fp16"``: ``torch.autocast`` float16 + ``GradScaler``, CUDA
+        only (on CPU it raises :class:`StrategyError` rather than silently
+        training in fp32). ``"bf16"``: autocast bfloat16 without a scaler (GPUs
+        with bfloat16, or the CPU). See :mod:`~merlin_t4r_ops.training.step`.
+    compile : bool
+        ``torch.compile`` the training model (``"reduce-overhead"``, i.e. CUDA
+        graphs, on one CUDA device with ``drop_last=True``); evaluation runs
+        eagerly. Refused under DataParallel.
     batch_size : int
         Per device, as in Hugging Face. Under DDP each rank loads
         ``batch_size`` rows (global batch ``world_size * batch_size``); under
@@ -282,8 +299,12 @@ def fit(
         every rank resumes from the same state even when the nodes have
         separate local disks.
     seed : int, optional
-        Seeds torch (``seed + rank``), numpy and random, and the data shuffle
-        (from ``(seed, epoch)``, equal on all ranks).
+        Seeds torch, numpy and random with the same seed on every rank, as Hugging
+        Face's Trainer does with ``args.seed`` (and its default, 42); None seeds
+        nothing. See :mod:`~merlin_t4r_ops.training.policy`.
+    data_seed : int, optional
+        Seeds the data shuffle (from ``(data_seed, epoch)``, equal on all ranks), as
+        ``args.data_seed``; by default ``seed``.
     shuffle, drop_last : bool
         For loaders that ``fit`` builds.
     find_unused_parameters : bool, optional
@@ -295,13 +316,14 @@ def fit(
     callbacks : sequence of callable
         Called on every rank with each epoch's history entry, after the
         checkpoint is written.
-    log_dir : str, optional
+    log_dir : str or False, optional
         Where the main process logs each optimizer step's ``train/loss`` and
         ``train/learning_rate`` and each evaluation's ``eval/<metric>``:
         ``log.csv`` (rows ``step, epoch, name, value``) and, where the
         ``tensorboard`` package is installed, TensorBoard events under
-        ``runs/``. None (the default) logs nothing. Kept apart from
-        ``checkpoint_dir``, which may be node-local and holds ``last.pt`` only.
+        ``runs/``. None (the default): ``checkpoint_dir``, when given, as the
+        Trainer logs under its ``output_dir``; False logs nothing. A resumed run
+        drops the rows past its checkpoint's step, a fresh one every row.
     num_workers : int, optional
         Worker processes per rank that read, convert and pad batches ahead of the
         step, for the loaders ``fit`` builds. Default
@@ -321,6 +343,7 @@ def fit(
     """
     state = _state(strategy)
     _check_args(epochs, batch_size, amp, state, resume, checkpoint_dir, lr_scheduler_interval)
+    check_compile(compile, state)
     if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
         raise ValueError(
             "gradient_accumulation_steps must be a positive int, got "
@@ -338,8 +361,7 @@ def fit(
             f"fit expects an unwrapped model (it wraps for the strategy itself), got "
             f"{type(model).__name__}; pass unwrap_model(model)"
         )
-    if seed is not None:
-        set_seed(seed + state.rank)  # torch, CUDA, numpy and random
+    seed_everything(seed)  # the one policy of fit and the Trainer: training/policy.py
     model.to(state.device)
     train_loader = make_loader(
         train_data,
@@ -347,7 +369,7 @@ def fit(
         state,
         batch_size=batch_size,
         shuffle=shuffle,
-        seed=seed or 0,
+        seed=data_order_seed(seed, data_seed),
         drop_last=drop_last,
         equal_shards=True,  # every rank takes the same optimizer steps
         num_workers=num_workers,
@@ -369,48 +391,43 @@ def fit(
                if optimizer is None else f"{type(optimizer).__name__}")
         )
     if optimizer is None:
-        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    scaler = torch.amp.GradScaler("cuda") if amp else None
+        optimizer = default_optimizer(model, lr, state.device)
+    scaler = grad_scaler(amp)
 
     frozen = {}
-    run_log = RunLog(log_dir, state)
+    run_log = RunLog(log_folder(log_dir, checkpoint_dir), state)
     try:
-        if state.is_distributed and find_unused_parameters is None:
-            # Before restoring RNG states: a resumed run must continue the
-            # uninterrupted run's random stream, which drew this probe at its start.
-            batch = first_batch(train_loader)
-            batch = None if batch is None else tuple(to_device(b, state.device) for b in batch)
-            unused, disagree = probe_unused_parameters(model, batch, state)
-            frozen = freeze(model, unused)
-            find_unused_parameters = disagree
-            if state.is_main_process and unused:
-                logger.info("freezing %d parameters the task never uses: %s", len(unused), unused)
-            if disagree and state.is_main_process:
-                logger.info("ranks use different parameters; DDP find_unused_parameters=True")
+        # Before restoring RNG states: a resumed run must continue the
+        # uninterrupted run's random stream, which drew this probe at its start.
+        find_unused_parameters, frozen = settle_unused_parameters(
+            model, train_loader, state, find_unused_parameters)
 
         history: List[dict] = []
-        start_epoch, resume_at = 0, None
+        start_epoch, resume_at, log_step = 0, None, 0
         if resume:
             ckpt = load_checkpoint(checkpoint_dir, map_location="cpu", state=state)
             if ckpt is not None:
                 start_epoch, history, resume_at = _restore(
                     ckpt, model, optimizer, lr_scheduler, scaler, state
                 )
+                log_step = ckpt.get("log_step")
             elif state.is_main_process:
                 logger.info("resume=True but %s holds no checkpoint; starting at epoch 1", checkpoint_dir)
+        run_log.start(log_step)
 
         wrapped = prepare_model(model, state, find_unused_parameters=bool(find_unused_parameters))
+        trained = compile_model(wrapped, state, drop_last) if compile else wrapped
         def save_mid_epoch(epoch, step, optimizer_steps, totals):
             if optimizer_steps % save_steps == 0:
                 save_checkpoint(
                     checkpoint_dir, state, model=model, optimizer=optimizer, epoch=epoch,
                     history=history, lr_scheduler=lr_scheduler, scaler=scaler, step=step,
-                    epoch_totals=_global_totals(totals, state),
+                    epoch_totals=_global_totals(totals, state), log_step=run_log.last_step,
                 )
 
         for epoch in range(start_epoch, epochs):
             entry = _train_epoch(
-                wrapped, train_loader, optimizer, state, epoch, epochs, amp, scaler,
+                trained, train_loader, optimizer, state, epoch, epochs, amp, scaler,
                 max_grad_norm, lr_scheduler if lr_scheduler_interval == "step" else None, progress,
                 resume_at=resume_at if epoch == start_epoch else None,
                 save=save_mid_epoch if save_steps else None,
@@ -430,6 +447,7 @@ def fit(
                 save_checkpoint(
                     checkpoint_dir, state, model=model, optimizer=optimizer, epoch=epoch + 1,
                     history=history, lr_scheduler=lr_scheduler, scaler=scaler,
+                    log_step=run_log.last_step,
                 )
             for callback in callbacks:
                 callback(entry)

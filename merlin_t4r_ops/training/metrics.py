@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from merlin_t4r_ops.training.data_parallel import loss_sum_and_count
+from merlin_t4r_ops.training.metric_states import align_empty_states
 from merlin_t4r_ops.training.state import DistributedState, unwrap_model
 
 __all__ = ["MetricAccumulator", "prediction_tasks", "task_metric_names"]
@@ -187,5 +188,7 @@ class MetricAccumulator:
         loss = float((loss_sum / n_targets.clamp(min=1)).sum())
         if not with_metrics:
             return {"loss": loss}
-        # torchmetrics all-gathers/all-reduces the states here under DDP.
+        # torchmetrics all-gathers/all-reduces the states here under DDP; a rank
+        # without rows first takes the others' row layout.
+        align_empty_states(self.model, self.state)
         return {"loss": loss, **_flatten(self.model.compute_metrics())}

@@ -25,7 +25,9 @@ through Hugging Face, but
 the dataloader construction (the same
 :class:`~merlin_t4r_ops.training.data.ShardedLoader` as ``fit``), the loss under
 DataParallel (:mod:`~merlin_t4r_ops.training.data_parallel`), the evaluation
-loop and the saving/logging guards.
+loop, the saving/logging guards, and under DDP Hugging Face's
+``find_unused_parameters=True`` (seeds, data order and unused parameters follow
+:mod:`~merlin_t4r_ops.training.policy`, as ``fit`` does).
 """
 
 import contextlib
@@ -62,6 +64,7 @@ from merlin_t4r_ops.training.data_parallel import (
     rank_loss,
 )
 from merlin_t4r_ops.training.metrics import MetricAccumulator, prediction_tasks
+from merlin_t4r_ops.training.policy import data_order_seed, settle_unused_parameters
 from merlin_t4r_ops.training.predictions import check_top_k, gather_to_main, select_top_k
 from merlin_t4r_ops.training.resume import (
     load_optimizer_and_scheduler,
@@ -71,6 +74,7 @@ from merlin_t4r_ops.training.resume import (
     save_rng_state,
 )
 from merlin_t4r_ops.training.state import DistributedState, resolve_strategy, unwrap_model
+from merlin_t4r_ops.training.unused import restore_requires_grad
 
 __all__ = ["Trainer"]
 
@@ -139,6 +143,7 @@ class Trainer(T4RTrainer):
         # T4R's default `callbacks=[]` is one shared list that incremental logging appends to.
         self._loaders = weakref.WeakSet()  # closed when train() returns, see train()
         self._resume_from = None  # the checkpoint train() resumes from, while it runs
+        self._frozen = {}  # parameters frozen for DDP while train() runs, see _wrap_model
         super().__init__(model=model, args=args, callbacks=list(callbacks or []), **kwargs)
 
     # ---- data -----------------------------------------------------------------------------
@@ -169,7 +174,7 @@ class Trainer(T4RTrainer):
             targets,
             max_sequence_length=width,  # cropped and padded as the operator serves
             shuffle=split == "train",
-            seed=self.args.seed,
+            seed=data_order_seed(self.args.seed, self.args.data_seed),
             drop_last=self.args.dataloader_drop_last,
             # Every optimizer step is a collective: ranks need equal batch counts.
             equal_shards=split == "train",
@@ -199,6 +204,8 @@ class Trainer(T4RTrainer):
         finally:
             self.args.ignore_data_skip = ignore_data_skip
             self._resume_from = None
+            restore_requires_grad(unwrap_model(self.model), self._frozen)
+            self._frozen = {}
             for loader in list(self._loaders):
                 loader.close()
 
@@ -244,12 +251,35 @@ class Trainer(T4RTrainer):
         return super()._prepare_input(data)
 
     def _wrap_model(self, model, training=True, dataloader=None):
-        """Hugging Face's wrapping, except DataParallel replicas return exact loss sums."""
+        """Hugging Face's wrapping, except DataParallel replicas return exact loss sums, and
+        under DDP unused parameters are settled as ``fit`` settles them.
+
+        With ``args.ddp_find_unused_parameters`` None (Hugging Face would pass True for a
+        T4R model) one probe batch finds the parameters no rank uses; they are frozen
+        while :meth:`train` runs and DDP gets ``find_unused_parameters=False`` unless the
+        ranks disagree (:mod:`~merlin_t4r_ops.training.policy`).
+        """
         if self.dist_state.strategy == "dp":
             return model if isinstance(model, torch.nn.DataParallel) else data_parallel(
                 unwrap_model(model)
             )
-        return super()._wrap_model(model, training=training, dataloader=dataloader)
+        asked = self.args.ddp_find_unused_parameters
+        if not (training and self.dist_state.is_distributed and asked is None):
+            return super()._wrap_model(model, training=training, dataloader=dataloader)
+        find_unused, frozen = settle_unused_parameters(
+            unwrap_model(model), self._probe_loader(), self.dist_state, None)
+        self._frozen.update(frozen)
+        self.args.ddp_find_unused_parameters = find_unused
+        try:
+            return super()._wrap_model(model, training=training, dataloader=dataloader)
+        finally:
+            self.args.ddp_find_unused_parameters = asked
+
+    def _probe_loader(self):
+        """The train data at its first epoch's start, apart from the loader that trains."""
+        if self.train_dataloader is not None:
+            return self.train_dataloader
+        return self._merlin_loader(self.train_dataset_or_path, self.args.train_batch_size, "train")
 
     def compute_loss(self, model, inputs, return_outputs=False):
         """T4R's ``compute_loss``, exact under DataParallel and DDP (:func:`rank_loss`).

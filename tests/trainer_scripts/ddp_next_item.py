@@ -71,6 +71,9 @@ def main():
         "model_is_users": trainer.model is model,
         "model_type": type(trainer.model).__name__,
         "global_step": trainer.state.global_step,
+        # What DDP was told, and the model's trainability once train() returned.
+        "find_unused_parameters": trainer.model_wrapped.find_unused_parameters,
+        "all_trainable_after": all(p.requires_grad for p in model.parameters()),
         "process_zero": {"local": trainer.is_local_process_zero(),
                          "world": trainer.is_world_process_zero(),
                          "should_save": trainer.args.should_save},
