@@ -97,6 +97,12 @@ def _parquet_pieces(dataset, lengths: Sequence[int]):
     return pieces
 
 
+def _file_holds(fs, path: str, columns: Sequence[str]) -> bool:
+    """Whether the file stores every column (hive partitions keep some in folder names)."""
+    with fs.open(path, "rb") as handle:
+        return set(columns) <= set(pq.ParquetFile(handle).schema_arrow.names)
+
+
 def partition_reader(dataset, columns: Sequence[str], lengths: Sequence[int]):
     """A picklable reader of ``dataset``'s partitions as Arrow tables of ``columns``.
 
@@ -104,7 +110,7 @@ def partition_reader(dataset, columns: Sequence[str], lengths: Sequence[int]):
     anything else (a dataset over a dataframe) through its dask partitions.
     """
     pieces = _parquet_pieces(dataset, lengths) if hasattr(dataset, "engine") else None
-    if pieces is not None:
+    if pieces and pieces[0] and _file_holds(dataset.engine.fs, pieces[0][0][0], columns):
         return ParquetPartitions(dataset.engine.fs, pieces, columns)
     with cpu_datasets_quiet():
         frame = dataset.to_ddf(columns=list(columns)).clear_divisions()
