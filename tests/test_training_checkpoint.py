@@ -131,7 +131,7 @@ class Preempted(Exception):
     """Stands for the process being stopped after a given optimizer step."""
 
 
-def fit_testing_data(frame, ckpt, stop_after=None, model_seed=0, resume=False):
+def fit_testing_data(frame, ckpt, stop_after=None, model_seed=0, resume=False, num_workers=0):
     """``fit`` an MLM model on T4R's packaged sessions, 2 epochs of 10 steps, last.pt every 3.
 
     The step-interval scheduler (constant lr) raises :class:`Preempted` after ``stop_after``
@@ -151,20 +151,23 @@ def fit_testing_data(frame, ckpt, stop_after=None, model_seed=0, resume=False):
     history = fit(model, factories.testing_dataset(frame), optimizer=optimizer, epochs=2,
                   batch_size=16, strategy=STATE, seed=3, progress=False, checkpoint_dir=ckpt,
                   save_steps=3, resume=resume, lr_scheduler=scheduler,
-                  lr_scheduler_interval="step")
+                  lr_scheduler_interval="step", num_workers=num_workers)
     return model, history
 
 
-@pytest.mark.parametrize("stop_after, saved_at", [(7, (0, 6)), (14, (1, 3))],
-                         ids=["epoch-1-step-6", "epoch-2-step-3"])
-def test_fit_resumed_mid_epoch_ends_on_the_uninterrupted_weights(stop_after, saved_at, tmp_path):
+@pytest.mark.parametrize("stop_after, saved_at, num_workers",
+                         [(7, (0, 6), 0), (14, (1, 3), 0), (7, (0, 6), 2)],
+                         ids=["epoch-1-step-6", "epoch-2-step-3", "epoch-1-step-6-2-workers"])
+def test_fit_resumed_mid_epoch_ends_on_the_uninterrupted_weights(stop_after, saved_at,
+                                                                 num_workers, tmp_path):
     frame = factories.testing_frame().iloc[:160]
     expected, full_history = fit_testing_data(frame, tmp_path / "full")
     with pytest.raises(Preempted):
-        fit_testing_data(frame, tmp_path / "run", stop_after=stop_after)
+        fit_testing_data(frame, tmp_path / "run", stop_after=stop_after, num_workers=num_workers)
     saved = load_checkpoint(tmp_path / "run")
     assert (saved["epoch"], saved["step"]) == saved_at  # (completed epochs, steps into the next)
-    resumed, history = fit_testing_data(frame, tmp_path / "run", model_seed=9, resume=True)
+    resumed, history = fit_testing_data(frame, tmp_path / "run", model_seed=9, resume=True,
+                                        num_workers=num_workers)
     assert_close_weights(resumed, expected)
     assert [h["train_samples"] for h in history] == [h["train_samples"] for h in full_history]
     for ours, theirs in zip(history, full_history):
