@@ -58,7 +58,7 @@ def test_parquet_batches_equal_merlin_loaders_for_every_rank(
                     dataset, rank_of_two(rank), 16, ["item_id-list", "category-list"], targets,
                     max_sequence_length=width, shuffle=shuffle, seed=seed,
                     equal_shards=equal_shards, drop_last=equal_shards, num_workers=num_workers)
-                for epoch in (0, 1, 2):
+                for epoch in (0, 1):
                     assert_same_batches(loader, epoch)
 
 
