@@ -205,7 +205,9 @@ def in_process_stages(workflow, raw, encoded, ensembles, dtypes, server, repeats
             lambda: ensembles["endpoint-fast"].transform(raw_table), repeats)
     if "endpoint-lean" in ensembles:
         # Built once: the chain hands the decoding to the model's op (and captures again).
-        chain = _CHAINS.setdefault("lean", lean_chain(ensembles["endpoint-lean"]))
+        if "lean" not in _CHAINS:
+            _CHAINS["lean"] = lean_chain(ensembles["endpoint-lean"])
+        chain = _CHAINS["lean"]
         stages["graph, lean chain"] = p50_ms(lambda: chain.transform(raw_table), repeats)
     return {
         **stages,

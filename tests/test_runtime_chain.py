@@ -19,6 +19,7 @@ TOP_K = 20
 ITEM = "item_id-list"
 LEAN, MERLIN = "chain_lean", "chain_merlin"
 BRANCHES = "branches"  # two top-k's side by side: not a chain
+BATCHED = "chain_batched"  # the chain behind Triton's dynamic batcher
 COLUMNS = (ITEM, "category-list", "price-list")
 
 
@@ -42,9 +43,9 @@ def chain_ensemble(workflow, model, top_k=TOP_K):
 
 @pytest.fixture(scope="module")
 def chain_server(tmp_path_factory, session_workflow, string_session_workflow):
-    """``chain_lean``/``chain_merlin`` (int ids), the same with ``_str`` (string ids), and
-    ``branches`` exported with the lean chain asked for."""
-    from merlin_t4r_ops.runtime import TritonRuntime
+    """``chain_lean``/``chain_merlin`` (int ids), the same with ``_str`` (string ids),
+    ``branches`` exported with the lean chain asked for, and ``chain_batched``."""
+    from merlin_t4r_ops.runtime import BatchingTritonRuntime, TritonRuntime
     from merlin_t4r_ops.serving import triton_server
 
     path = tmp_path_factory.mktemp("chain_repository")
@@ -57,6 +58,8 @@ def chain_server(tmp_path_factory, session_workflow, string_session_workflow):
     workflow, model, _ = session_workflow
     factories.seen_and_plain_ensemble(workflow, model, TOP_K, decode=True).export(
         str(path), name=BRANCHES, runtime=TritonRuntime())
+    chain_ensemble(workflow, model).export(
+        str(path), name=BATCHED, runtime=BatchingTritonRuntime(max_queue_delay_us=5000))
     with triton_server(path, timeout=600) as server:
         yield server
 
@@ -75,12 +78,17 @@ def requests(raw, rng):
     return [df.head(1), df, long]
 
 
-def assert_identical(lean, merlin):
+def assert_identical(lean, merlin, score_rtol=0.0):
+    """Same columns, dtypes and values; scores within ``score_rtol`` (rows run in another
+    batch sum their floats in another order)."""
     assert list(lean.columns) == list(merlin.columns)
     for column in lean.columns:
         got, expected = np.stack(lean[column]), np.stack(merlin[column])
         assert got.dtype == expected.dtype, column
-        np.testing.assert_array_equal(got, expected, err_msg=column)
+        if column.endswith("scores") and score_rtol:
+            np.testing.assert_allclose(got, expected, rtol=score_rtol, atol=1e-6, err_msg=column)
+        else:
+            np.testing.assert_array_equal(got, expected, err_msg=column)
 
 
 @pytest.mark.parametrize("suffix", ["", "_str"], ids=["int ids", "string ids"])
@@ -94,6 +102,26 @@ def test_the_lean_chain_answers_as_merlins_executor(chain_server, session_workfl
         assert_identical(lean, merlin)
         seen = [set(ids) for ids in df[ITEM]]
         assert all(seen_ids.isdisjoint(top) for seen_ids, top in zip(seen, lean["item_ids"]))
+
+
+def test_batched_requests_through_the_lean_chain_get_their_own_answers(chain_server,
+                                                                        session_workflow):
+    """Eight clients at once through BatchingTritonRuntime: whatever the batcher merges, the
+    chain runs it as one table, and each answer is what Merlin's executor gives that request
+    alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    raw = session_workflow[2]
+    frames = [raw.sample(n, random_state=n).reset_index(drop=True) for n in range(1, 9)]
+
+    def ask(df):
+        return infer_dataframe(chain_server.client(), df, model_name=BATCHED)
+
+    with ThreadPoolExecutor(len(frames)) as pool:
+        answers = list(pool.map(ask, frames))
+    client = chain_server.client()
+    for df, answer in zip(frames, answers):
+        assert_identical(answer, infer_dataframe(client, df, model_name=MERLIN), score_rtol=1e-5)
 
 
 def _disagreeing_lists(arrays, df):
@@ -156,6 +184,7 @@ def test_the_server_log_says_which_executor_runs(chain_server):
     assert "ids decoded on the model's device" in report(LEAN)
     assert "ids decoded on the host (DecodeItemIds)" in report(LEAN + "_str")
     assert "LocalExecutor runs the graph (lean_chain=False)" in report(MERLIN)
+    assert "the lean chain runs the graph" in report(BATCHED)
     assert "LocalExecutor runs the graph: it is not the lean chain" in report(BRANCHES)
 
 

@@ -56,8 +56,8 @@ class TritonRuntime(TritonExecutorRuntime):
         Where the graph is the linear chain inputs >> compiled ``TransformWorkflow`` >>
         ``PredictT4RPyTorch`` >> ``DecodeItemIds``, run its three operators one after the
         other in the executor (:mod:`merlin_t4r_ops.runtime.chain`) instead of through
-        Merlin's ``LocalExecutor``: same answers and errors, a fraction of a millisecond
-        less per request. Any other graph keeps Merlin's executor. False: always Merlin's.
+        Merlin's ``LocalExecutor``: same answers and errors, less time per request. Any
+        other graph keeps Merlin's executor. False: always Merlin's.
 
     Examples
     --------
