@@ -93,6 +93,20 @@ def test_same_epoch_gives_the_same_batches(eight_files):
     assert sessions(b) == first
 
 
+def test_a_probe_of_the_first_batch_leaves_the_loaders_data_order(eight_files):
+    """The Trainer's unused-parameter probe reads a user's loader before training on it."""
+    from merlin_t4r_ops.training.data import first_batch
+
+    probed = make_loader(eight_files, model(), ddp(1), batch_size=16, shuffle=True, seed=4)
+    fresh = make_loader(eight_files, model(), ddp(1), batch_size=16, shuffle=True, seed=4)
+    probed.set_epoch(2, skip_batches=1)
+    fresh.set_epoch(2, skip_batches=1)
+    first = first_batch(probed)
+    assert sessions([first]) == sessions(fresh)[:16]
+    fresh.set_epoch(2, skip_batches=1)
+    assert sessions(probed) == sessions(fresh)
+
+
 def test_uneven_files_are_balanced_by_rows_not_repeated(tmp_path):
     # Files of 1,000 and 100 rows on 2 ranks: by partitions, rank 1 would hold 100 rows and
     # repeat them about 10 times an epoch to keep step with rank 0.

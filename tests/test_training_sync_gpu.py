@@ -1,4 +1,4 @@
-"""fit's loop waits for the GPU only at logging steps and the epoch's end, never per step.
+"""fit's loop waits for the GPU every 50 logged steps and at the epoch's end, never per step.
 
 ``torch.cuda.set_sync_debug_mode("warn")`` warns at every operation that waits for the
 device, from the Python line that called it. fit.py's own waits must not grow with the
@@ -23,17 +23,19 @@ pytestmark = [
 ]
 
 
-def syncs_in_fit(rows: int) -> int:
+def syncs_in_fit(rows: int, **options) -> int:
     """Waits for the device that fit.py's own lines make in one epoch over ``rows`` rows."""
     state = DistributedState("single", 0, 0, 1, torch.device("cuda:0"), "one GPU")
     data = factories.testing_dataset(factories.testing_frame().iloc[:rows], 4)
     model = factories.testing_model("clm")
-    fit(model, data, epochs=1, batch_size=32, strategy=state, seed=0, progress=False)  # warm
+    fit(model, data, epochs=1, batch_size=32, strategy=state, seed=0, progress=False,
+        **options)  # warm
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            fit(model, data, epochs=1, batch_size=32, strategy=state, seed=0, progress=False)
+            fit(model, data, epochs=1, batch_size=32, strategy=state, seed=0, progress=False,
+                **options)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     fit_py = os.path.join("training", "fit.py")
@@ -42,3 +44,9 @@ def syncs_in_fit(rows: int) -> int:
 
 def test_the_training_loop_does_not_wait_for_the_gpu_every_step():
     assert syncs_in_fit(256) == syncs_in_fit(768)  # 8 and 24 steps
+
+
+def test_logging_every_step_reads_the_losses_in_groups(tmp_path):
+    """fit logs into its checkpoint_dir by default: each step's loss, read 50 steps at a time."""
+    assert (syncs_in_fit(256, checkpoint_dir=str(tmp_path / "a"))
+            == syncs_in_fit(768, checkpoint_dir=str(tmp_path / "b")))

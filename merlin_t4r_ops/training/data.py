@@ -224,7 +224,11 @@ class EpochBatches:
     def close(self) -> None:
         """End the workers and thread reading ahead; the pass yields nothing more."""
         self._open_batches = None
-        # The DataLoader's iterator shuts its workers down (joins them) when it is freed.
+        # The DataLoader's iterator shuts its workers down when it is freed, but a traceback
+        # that holds its frame keeps it alive: shut them down now where it can.
+        shutdown = getattr(self._batches, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
         self._batches = None
 
     def __enter__(self) -> "EpochBatches":
@@ -254,9 +258,18 @@ def batches_of(loader) -> Iterator[Iterator]:
 
 
 def first_batch(loader):
-    """The first batch of ``loader``, or None when it is empty; the pass is closed."""
-    with batches_of(loader) as batches:
-        return next(batches, None)
+    """The first batch of ``loader``, or None when it is empty; the pass is closed.
+
+    A :class:`ShardedLoader` is left at the epoch and resume point it was at: a probe must not
+    move the data order of the run that follows it.
+    """
+    saved = (loader.epoch, loader._skip_rows) if isinstance(loader, ShardedLoader) else None
+    try:
+        with batches_of(loader) as batches:
+            return next(batches, None)
+    finally:
+        if saved is not None:
+            loader.epoch, loader._skip_rows = saved
 
 
 class ShardedLoader:

@@ -600,6 +600,7 @@ def _train_epoch(
     step_args = (wrapped, optimizer, scaler, max_grad_norm, step_scheduler)
     pending = False
     window = torch.zeros(2, dtype=torch.float64, device=state.device)  # since the last step
+    steps_log = _StepLog(log, state, lockstep)
     optimizer.zero_grad(set_to_none=True)
     with _join(wrapped, state):
         for step, (x, y) in enumerate(bar, start=skip + 1):
@@ -617,8 +618,8 @@ def _train_epoch(
             if boundary:
                 _optimizer_step(*step_args)
                 if log is not None:
-                    window = _log_step(log, window, optimizer, state, lockstep, epoch,
-                                       step, n_steps, accumulate)
+                    steps_log.add(window, optimizer, epoch, step, n_steps, accumulate)
+                    window = torch.zeros(2, dtype=torch.float64, device=state.device)
             non_finite += ~torch.isfinite(value)
             totals[0] += value
             totals[1] += 1.0
@@ -626,10 +627,14 @@ def _train_epoch(
             if not bar.disable and step % _POSTFIX_EVERY == 0:
                 bar.set_postfix(loss=f"{float(value):.4f}")
             if save is not None and lockstep and boundary and step != n_steps:
+                steps_log.flush()  # the checkpoint records the last step logged
                 save(epoch, step, step // accumulate, totals)
+            elif steps_log.full():
+                steps_log.flush()
         if pending:  # a loader without len(): its last batches still make a step
             _optimizer_step(*step_args)
     bar.close()
+    steps_log.flush()
     if int(non_finite) and state.is_main_process:
         logger.warning("non-finite training loss at %d batches of epoch %d", int(non_finite),
                        epoch + 1)
@@ -649,19 +654,40 @@ def _train_epoch(
     }
 
 
-def _log_step(log, window, optimizer, state, lockstep, epoch, step, n_steps, accumulate):
-    """Log the mean loss of the step's batches (over all ranks when they step in lockstep)."""
-    if lockstep:  # every rank reaches every step: the all-reduce cannot hang
-        window = _global_totals(window, state)
-    steps_per_epoch = math.ceil(n_steps / accumulate) if n_steps else 0
-    global_step = epoch * steps_per_epoch + math.ceil(step / accumulate)
-    log.write(global_step, epoch + step / max(n_steps or step, 1), {
-        "train/loss": float(window[0] / window[1]),
-        "train/learning_rate": float(optimizer.param_groups[0]["lr"]),
-    })
-    return torch.zeros(2, dtype=torch.float64, device=state.device)
+class _StepLog:
+    """Each optimizer step's mean loss and learning rate, written to ``log`` in groups.
+
+    The losses stay on the device until :meth:`flush` (every ``_LOG_FLUSH_EVERY`` steps, before
+    a checkpoint and at the epoch's end): reading one per step would make the loop wait for
+    the GPU at every step. Over all ranks when they step in lockstep (one all-reduce a flush).
+    """
+
+    def __init__(self, log, state, lockstep: bool):
+        self.log, self.state, self.lockstep = log, state, lockstep
+        self.rows = []  # (global step, epoch, [loss sum, batches] on the device, lr)
+
+    def add(self, window, optimizer, epoch, step, n_steps, accumulate) -> None:
+        steps_per_epoch = math.ceil(n_steps / accumulate) if n_steps else 0
+        global_step = epoch * steps_per_epoch + math.ceil(step / accumulate)
+        self.rows.append((global_step, epoch + step / max(n_steps or step, 1), window,
+                          float(optimizer.param_groups[0]["lr"])))
+
+    def full(self) -> bool:
+        return len(self.rows) >= _LOG_FLUSH_EVERY
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        windows = torch.stack([row[2] for row in self.rows])
+        # Every rank reaches every step in lockstep: the all-reduce cannot hang.
+        windows = _global_totals(windows, self.state) if self.lockstep else windows.cpu()
+        for (global_step, epoch, _, lr), (loss_sum, batches) in zip(self.rows, windows.tolist()):
+            self.log.write(global_step, epoch,
+                           {"train/loss": loss_sum / batches, "train/learning_rate": lr})
+        self.rows = []
 
 
+_LOG_FLUSH_EVERY = 50  # optimizer steps between the log's reads of the losses (each a host sync)
 _POSTFIX_EVERY = 50  # steps between the progress bar's loss readings (each a host sync)
 
 
