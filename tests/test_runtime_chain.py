@@ -296,6 +296,15 @@ def test_string_ids_and_decode_in_graph_false_stay_on_the_host(session_workflow,
     assert not predict.decode_with(decode.vocabulary)
 
 
+def test_decoding_stays_on_the_host_unless_the_vocabulary_covers_the_item_table(
+        session_workflow):
+    """The device lookup has no range check; the host's DecodeItemIds refuses by name."""
+    workflow, model, _ = session_workflow
+    predict, decode = _ops_of(chain_ensemble(workflow, model))
+    predict._embedding_rows = {}  # a model whose item table was not found
+    assert not predict.decode_with(decode.vocabulary)
+
+
 def test_the_lookup_inverts_the_encoding_filler_included(session_workflow):
     """One table: numpy's take (DecodeItemIds) and torch's (the graph) give the same ids."""
     from merlin_t4r_ops import DecodeItemIds

@@ -511,11 +511,17 @@ class PredictT4RPyTorch(BaseOperator):
         """Answer the shop's raw ids from now on, looked up in ``vocabulary`` on the device.
 
         Called by the lean chain for the ``DecodeItemIds`` that follows this top-k. Accepts
-        (returns True) only with ``decode_in_graph`` and signed integer raw ids; the CUDA
+        (returns True) only with ``decode_in_graph``, signed integer raw ids and a vocabulary
+        that covers the item embedding table's rows exactly; the CUDA
         graphs captured so far are captured again with the lookup inside.
         """
         if not (getattr(self, "decode_in_graph", True) and self.top_k is not None
                 and vocabulary.decodes_on_device):
+            return False
+        # The device lookup has no range check (an id past the table would be a device-side
+        # assert): only a vocabulary known to cover the item table's rows decodes there.
+        rows = self._embedding_rows.get(self._item_id_column())
+        if rows != vocabulary.first_id + len(vocabulary.raw_ids):
             return False
         self._decoder = vocabulary
         self.__dict__.pop("_lookup_cache", None)

@@ -354,8 +354,8 @@ def infer_dataframe(
         Outputs to ask for; all of the model's outputs by default. A fixed-length list
         output comes back as a list column, of length 1 too.
     dtypes : dict, optional
-        Input name to numpy dtype, in place of the dtypes the model's metadata declares;
-        each name must be one of the model's inputs.
+        Input name to numpy dtype, in place of the dtype the model's metadata declares for
+        that input (the others keep theirs); each name must be one of the model's inputs.
     batch_dimension : bool, optional
         Whether the model takes each request as one batch entry (exported with
         :class:`merlin_t4r_ops.runtime.BatchingTritonRuntime`); read from the server's model
@@ -375,7 +375,7 @@ def infer_dataframe(
     if dtypes is not None:
         _check_declared(dtypes, spec.dtypes, model_name)
     shapes = spec.shapes
-    dtypes = dtypes or spec.dtypes
+    dtypes = {**spec.dtypes, **(dtypes or {})}
     output_names = output_names or spec.output_names
     batch_dimension = spec.batch_dimension if batch_dimension is None else batch_dimension
     if not spec.batch_dimension and batch_dimension:
