@@ -529,6 +529,20 @@ class PredictT4RPyTorch(BaseOperator):
             self._capture_graphs()
         return True
 
+    def decoding_copy(self, vocabulary) -> Optional["PredictT4RPyTorch"]:
+        """A shallow copy of this operator, the model shared, that answers raw ids; or None.
+
+        The copy decodes with ``vocabulary`` (see :meth:`decode_with`), so this operator
+        keeps answering encoded ids to the graph it belongs to. The copy takes the CUDA
+        graphs over; this operator captures its own again only if it runs.
+        """
+        twin = type(self).__new__(type(self))  # not copy.copy: __getstate__ drops the model
+        twin.__dict__.update(self.__dict__)
+        if not twin.decode_with(vocabulary):
+            return None
+        self.__dict__.pop("_graphs", None)  # the twin captured its own: free these
+        return twin
+
     def _lookup_on(self, device: torch.device) -> torch.Tensor:
         """The decoder's encoded-to-raw table on ``device``, made once (as ``_reserved_on``)."""
         cache = self.__dict__.get("_lookup_cache") or {}

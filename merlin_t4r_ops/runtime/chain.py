@@ -46,16 +46,18 @@ class LeanChain:
     Notes
     -----
     When the model's operator takes the decoding over (:attr:`decodes_in_graph`), it answers
-    raw ids from then on: the ensemble is the chain's, and Merlin's executor over the same
-    graph would decode them twice.
+    raw ids from then on. The chain hands the decoding to a shallow copy of the operator (the
+    model and its weights shared, see ``decoding_copy``), so the graph's own operator still answers encoded ids and
+    Merlin's executor over the same ensemble decodes them once.
     """
 
     def __init__(self, nodes):
         self.inputs = nodes[0].output_schema.column_names
-        predict, decode = nodes[2].op, nodes[3].op
-        self.decodes_in_graph = predict.decode_with(decode.vocabulary)
-        kept = nodes[1:3] if self.decodes_in_graph else nodes[1:]
-        self.steps = [(node.op, node.input_columns.resolve(node.input_schema)) for node in kept]
+        decoding = nodes[2].op.decoding_copy(nodes[3].op.vocabulary)
+        self.decodes_in_graph = decoding is not None
+        ops = [nodes[1].op, decoding] if decoding else [node.op for node in nodes[1:]]
+        self.steps = [(op, node.input_columns.resolve(node.input_schema))
+                      for op, node in zip(ops, nodes[1:])]
 
     def transform(self, table: TensorTable) -> TensorTable:
         """The ensemble's output columns for ``table``'s rows, as Merlin's executor gives them."""
