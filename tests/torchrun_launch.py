@@ -1,6 +1,7 @@
 """Launch a test script on 2 gloo ranks (127.0.0.1) with torch.distributed.run; read its results.
 
-The script takes ``--out DIR`` and writes ``rank{R}.json`` and ``rank{R}.pt`` there.
+The script takes ``--out DIR`` and writes ``rank{R}.json`` and ``rank{R}.pt`` there
+(:func:`write_rank_results`).
 A run that hangs is stopped and fails its test.
 """
 
@@ -49,3 +50,11 @@ def torchrun(out, script, *script_args, nproc=2, timeout=240, results=True):
             info = json.load(fh)
         ranks.append((info, torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True)))
     return ranks, stdout
+
+
+def write_rank_results(out, rank, info, weights=None):
+    """What a script run by :func:`torchrun` leaves for its test: ``rank{R}.json`` (``info``)
+    and ``rank{R}.pt`` (``weights``, a state dict; empty when None)."""
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(info, fh)
+    torch.save({} if weights is None else weights, os.path.join(out, f"rank{rank}.pt"))

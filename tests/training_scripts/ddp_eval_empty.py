@@ -8,7 +8,6 @@ and ``rank{R}.pt`` (nothing) to ``--out``.
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -16,6 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import t4r_training_factories as factories  # noqa: E402
+from torchrun_launch import write_rank_results  # noqa: E402
 
 from merlin_t4r_ops.training import DistributedState, evaluate, make_loader  # noqa: E402
 from merlin_t4r_ops.training import resolve_strategy  # noqa: E402
@@ -48,9 +48,7 @@ def main():
             results[f"{task}/rank{empty}-empty"] = evaluate(model, data, strategy=state)
         results[f"{task}/one-row"] = evaluate(model, args.one_row, strategy=state,
                                               batch_size=BATCH)
-    with open(os.path.join(args.out, f"rank{state.rank}.json"), "w") as fh:
-        json.dump(results, fh)
-    torch.save({}, os.path.join(args.out, f"rank{state.rank}.pt"))
+    write_rank_results(args.out, state.rank, results)
     torch.distributed.destroy_process_group()
 
 

@@ -5,7 +5,6 @@ Each rank writes to ``--out``: ``rank{R}.pt`` (trained weights) and
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -13,6 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import t4r_training_factories as factories  # noqa: E402
+from torchrun_launch import write_rank_results  # noqa: E402
 
 from merlin_t4r_ops.training import fit, make_loader, resolve_strategy  # noqa: E402
 
@@ -81,7 +81,6 @@ def main():
         for x, _ in make_loader(args.train, model, state, batch_size=args.batch_size, shuffle=True, seed=5)
         for row in x["item_id-list"].tolist()
     ]
-    torch.save(model.state_dict(), os.path.join(args.out, f"rank{state.rank}.pt"))
     info = {
         "strategy": state.strategy,
         "rank": state.rank,
@@ -93,8 +92,7 @@ def main():
         "model_type": type(model).__name__,
         "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
     }
-    with open(os.path.join(args.out, f"rank{state.rank}.json"), "w") as fh:
-        json.dump(info, fh)
+    write_rank_results(args.out, state.rank, info, model.state_dict())
     torch.distributed.destroy_process_group()
 
 

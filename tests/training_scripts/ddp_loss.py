@@ -8,7 +8,6 @@ step: the weights after it are ``w - gradient``. Writes ``rank{R}.pt`` and
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -18,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "trainer_scripts"))
 import t4r_training_factories as factories  # noqa: E402
+from torchrun_launch import write_rank_results  # noqa: E402
 
 from merlin_t4r_ops.training import Trainer, fit, resolve_strategy  # noqa: E402
 
@@ -57,9 +57,7 @@ def main():
         batch = factories.testing_batch(factories.testing_frame().iloc[start:stop])
         history = fit(model, [(batch, {})], optimizer=optimizer, epochs=1, strategy=state,
                       seed=SEED, progress=False)
-    torch.save(model.state_dict(), os.path.join(args.out, f"rank{state.rank}.pt"))
-    with open(os.path.join(args.out, f"rank{state.rank}.json"), "w") as fh:
-        json.dump({"history": history}, fh)
+    write_rank_results(args.out, state.rank, {"history": history}, model.state_dict())
     torch.distributed.destroy_process_group()
 
 

@@ -8,7 +8,6 @@ that the default gives a CUDA rank of this node (``default_num_workers`` with th
 
 import argparse
 import dataclasses
-import json
 import multiprocessing
 import os
 import sys
@@ -17,6 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import t4r_training_factories as factories  # noqa: E402
+from torchrun_launch import write_rank_results  # noqa: E402
 
 from merlin_t4r_ops.training import make_loader, resolve_strategy  # noqa: E402
 from merlin_t4r_ops.training.data import default_num_workers  # noqa: E402
@@ -44,9 +44,7 @@ def main():
         "cores": len(os.sched_getaffinity(0)),
     }
     torch.distributed.barrier()
-    with open(os.path.join(args.out, f"rank{state.rank}.json"), "w") as fh:
-        json.dump(info, fh)
-    torch.save({}, os.path.join(args.out, f"rank{state.rank}.pt"))
+    write_rank_results(args.out, state.rank, info)
     torch.distributed.destroy_process_group()
 
 
