@@ -29,14 +29,14 @@ def raw_dtypes(df):
     return {**dtypes, **{f"{column}__offsets": np.dtype(np.int32) for column in COLUMNS}}
 
 
-def chain_ensemble(workflow, model, top_k=TOP_K):
+def chain_ensemble(workflow, model, top_k=TOP_K, device=None):
     from merlin.systems.dag import Ensemble
     from merlin.systems.dag.ops.workflow import TransformWorkflow
 
     from merlin_t4r_ops import DecodeItemIds, PredictT4RPyTorch
 
     pipeline = (workflow.input_schema.column_names >> TransformWorkflow(workflow)
-                >> PredictT4RPyTorch(model, top_k=top_k, exclude_seen=True)
+                >> PredictT4RPyTorch(model, top_k=top_k, exclude_seen=True, device=device)
                 >> DecodeItemIds(workflow))
     return Ensemble(pipeline, workflow.input_schema)
 
@@ -203,9 +203,15 @@ def test_a_graph_with_branches_is_not_a_chain(tmp_path, session_workflow):
            "'DecodeItemIds']" in why_not_a_chain(loaded)
 
 
-def test_in_process_the_chain_equals_the_executor(tmp_path, session_workflow):
-    """The exported graph, loaded as the executor loads it, run both ways on one table; the
-    chain leaves the graph's operators as they were, so the executor still decodes once."""
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: the lookup inside CUDA graphs")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_in_process_the_chain_equals_the_executor(tmp_path, session_workflow, device):
+    """The exported graph, loaded as the executor loads it, run both ways on tables of 1 and
+    16 rows; the chain leaves the graph's operators as they were, so the executor still
+    decodes once. On CUDA the chain's operator replays its graphs, the lookup inside."""
     from merlin.dag import postorder_iter_nodes
     from merlin.systems.dag import Ensemble
     from merlin.table import TensorTable
@@ -214,21 +220,25 @@ def test_in_process_the_chain_equals_the_executor(tmp_path, session_workflow):
     from merlin_t4r_ops.runtime.chain import lean_chain
 
     workflow, model, raw = session_workflow
-    chain_ensemble(workflow, model).export(str(tmp_path), name=LEAN, runtime=TritonRuntime())
+    chain_ensemble(workflow, model, device=device).export(
+        str(tmp_path), name=LEAN, runtime=TritonRuntime())
     folder = tmp_path / LEAN / "1" / "ensemble"
     loaded = Ensemble.load(str(folder))
     for node in postorder_iter_nodes(loaded.graph.output_node):
         node.op.load_artifacts(str(folder))
-    table = TensorTable(dataframe_arrays(raw.head(16), raw_dtypes(raw)))
-    expected = loaded.transform(table).to_dict()  # before the chain takes the decoding over
+    tables = [TensorTable(dataframe_arrays(raw.head(rows), raw_dtypes(raw))) for rows in (1, 16)]
+    expected = [loaded.transform(table).to_dict() for table in tables]  # before the chain
     chain = lean_chain(loaded)
     assert chain is not None and chain.decodes_in_graph  # int64 ids: looked up by the model
-    got = chain.transform(table).to_dict()
-    after = loaded.transform(table).to_dict()  # the executor, once the chain took over
-    for answer in (got, after):
-        assert list(answer) == list(expected)
-        for name in answer:
-            np.testing.assert_array_equal(answer[name], expected[name], err_msg=name)
+    predict = chain.steps[1][0]
+    assert (predict._graph_runner() is not None) == (device == "cuda")
+    for table, wanted in zip(tables, expected):
+        got = chain.transform(table).to_dict()
+        after = loaded.transform(table).to_dict()  # the executor, once the chain took over
+        for answer in (got, after):
+            assert list(answer) == list(wanted)
+            for name in answer:
+                np.testing.assert_array_equal(answer[name], wanted[name], err_msg=name)
 
 
 # -- the raw ids looked up right after the top-k (in the CUDA graph on a GPU) --------------
