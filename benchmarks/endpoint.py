@@ -204,7 +204,7 @@ def in_process_stages(workflow, raw, encoded, ensembles, dtypes, server, repeats
         stages["graph, Merlin's LocalExecutor"] = p50_ms(
             lambda: ensembles["endpoint-fast"].transform(raw_table), repeats)
     if "endpoint-lean" in ensembles:
-        # Built once: the chain hands the decoding to the model's op (and captures again).
+        # Built once: the chain decodes with a copy of the model's op (captured again).
         if "lean" not in _CHAINS:
             _CHAINS["lean"] = lean_chain(ensembles["endpoint-lean"])
         chain = _CHAINS["lean"]

@@ -536,12 +536,21 @@ class PredictT4RPyTorch(BaseOperator):
         keeps answering encoded ids to the graph it belongs to. The copy takes the CUDA
         graphs over; this operator captures its own again only if it runs.
         """
-        twin = type(self).__new__(type(self))  # not copy.copy: __getstate__ drops the model
-        twin.__dict__.update(self.__dict__)
-        if not twin.decode_with(vocabulary):
+        # Under the model's lock: capturing runs the shared model, which another thread
+        # (an executor over the same ensemble) may be calling.
+        with self._shared.lock:
+            twin = type(self).__new__(type(self))  # not copy.copy: __getstate__ drops the model
+            twin.__dict__.update(self.__dict__)
+            # Handed over, not shared: the twin frees them before capturing its own, so
+            # two sets of graph pools never hold the GPU at once.
+            handed = self.__dict__.get("_graphs") is not None
+            if handed:
+                del self.__dict__["_graphs"]
+            if twin.decode_with(vocabulary):
+                return twin
+            if handed:  # refused before any capture: they are ours again
+                self._graphs = twin._graphs
             return None
-        self.__dict__.pop("_graphs", None)  # the twin captured its own: free these
-        return twin
 
     def _lookup_on(self, device: torch.device) -> torch.Tensor:
         """The decoder's encoded-to-raw table on ``device``, made once (as ``_reserved_on``)."""

@@ -46,9 +46,10 @@ class LeanChain:
     Notes
     -----
     When the model's operator takes the decoding over (:attr:`decodes_in_graph`), it answers
-    raw ids from then on. The chain hands the decoding to a shallow copy of the operator (the
-    model and its weights shared, see ``decoding_copy``), so the graph's own operator still answers encoded ids and
-    Merlin's executor over the same ensemble decodes them once.
+    raw ids from then on. The chain hands the decoding to a shallow copy of the operator
+    (``PredictT4RPyTorch.decoding_copy``: the model and its weights shared), so the graph's
+    own operator still answers encoded ids and Merlin's executor over the same ensemble
+    decodes them once.
     """
 
     def __init__(self, nodes):
