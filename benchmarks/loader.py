@@ -6,6 +6,12 @@ loader with ``--workers`` worker processes. The data: synthetic sessions written
 by the tests' factories. CPU only; run from the repository root::
 
     python benchmarks/loader.py --rows 40000 --batch-size 384
+
+Then, on copies of T4R's testing data (15 tensors a batch), what receiving a batch from
+``--workers`` workers costs the training process: its CPU time (``time.process_time``) and
+wall time per batch, with each batch packed into one buffer
+(:class:`~merlin_t4r_ops.training.packed.PackedBatch`, what the loader does) and with one
+shared-memory tensor per tensor (``DataLoader``'s own way), in alternating rounds.
 """
 
 import argparse
@@ -14,8 +20,10 @@ import sys
 import tempfile
 import time
 
+import torch
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]
+sys.path[:0] = [os.path.dirname(HERE), HERE, os.path.join(os.path.dirname(HERE), "tests")]
 
 
 def per_batch_ms(make_batches) -> tuple:
@@ -32,8 +40,6 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
-
-    import torch
 
     import t4r_training_factories as factories
     from merlin_reference import merlin_batches
@@ -66,6 +72,59 @@ def main():
         workers_ms, _ = per_batch_ms(lambda: columnar(args.workers))
         print(f"columnar with {args.workers} workers (their start included): "
               f"{workers_ms:.2f} ms per batch")
+        receiving(folder, args)
+
+
+class _PerTensor(torch.utils.data.IterableDataset):
+    """The loader's batches as a worker would send them unpacked: one segment per tensor."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def __iter__(self):
+        from merlin_t4r_ops.training.packed import PackedBatch
+
+        for batch in self.epoch:
+            x, y = batch.unpack() if isinstance(batch, PackedBatch) else batch
+            yield {k: v.clone() for k, v in x.items()}, None if y is None else y.clone()
+
+
+def _receive_ms(dataset, workers: int, batches: int) -> tuple:
+    """(CPU ms, wall ms) of the training process per batch, workers already ahead."""
+    from merlin_t4r_ops.training.packed import PackedBatch
+
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers,
+                                         prefetch_factor=batches)
+    got = iter(loader)
+    next(got)
+    time.sleep(3)  # the workers fill their queues: what follows is receiving, not making
+    cpu, wall, n = time.process_time(), time.perf_counter(), 0
+    for batch in got:
+        if isinstance(batch, PackedBatch):
+            batch.unpack()
+        n += 1
+    return ((time.process_time() - cpu) * 1000 / n, (time.perf_counter() - wall) * 1000 / n)
+
+
+def receiving(folder: str, args) -> None:
+    from training_paths import build_model, write_copies
+
+    from merlin_t4r_ops.training import make_loader, resolve_strategy
+
+    files = write_copies(os.path.join(folder, "t4r"), copies=8)
+    loader = make_loader(files, build_model(64), resolve_strategy("single"),
+                         batch_size=args.batch_size, drop_last=True)
+    batches = min(len(loader) - 1, 16)
+    print(f"\nReceiving {batches} batches of {args.batch_size} sessions of T4R's testing data "
+          f"from {args.workers} workers, ms per batch in the training process")
+    print(f"{'round':>5} | {'packed CPU':>10} | {'per tensor CPU':>14} | {'packed wall':>11} | "
+          f"{'per tensor wall':>15} | {'CPU ratio':>9}")
+    for index in range(args.rounds):
+        packed = _receive_ms(loader.epoch_dataset(0), args.workers, batches)
+        per_tensor = _receive_ms(_PerTensor(loader.epoch_dataset(0)), args.workers, batches)
+        print(f"{index + 1:>5} | {packed[0]:>10.2f} | {per_tensor[0]:>14.2f} | {packed[1]:>11.2f} | "
+              f"{per_tensor[1]:>15.2f} | {per_tensor[0] / packed[0]:>9.1f}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ dtypes and target layout (one target: a tensor; several: a dict). Padding is the
 crop-and-pad rule of training and serving (:func:`merlin_t4r_ops.sequence.pad_lists_fn`).
 
 :class:`EpochDataset` is a ``torch.utils.data.IterableDataset``: worker ``w`` of ``W`` makes
-batches ``w, w + W, ...``, which ``DataLoader`` hands out round robin, in order.
+batches ``w, w + W, ...``, which ``DataLoader`` hands out round robin, in order. A worker
+yields each batch as a :class:`~merlin_t4r_ops.training.packed.PackedBatch` (one buffer), which
+:class:`~merlin_t4r_ops.training.data.EpochBatches` unpacks.
 """
 
 import collections
@@ -30,6 +32,7 @@ import torch
 from merlin_t4r_ops.errors import T4ROpsError
 from merlin_t4r_ops.harmless_warnings import cpu_datasets_quiet
 from merlin_t4r_ops.sequence import pad_lists_fn
+from merlin_t4r_ops.training.packed import PackedBatch
 
 __all__ = ["ColumnLayout", "EpochDataset", "partition_reader", "plan_batches", "batch_tensors"]
 
@@ -267,7 +270,9 @@ class EpochDataset(torch.utils.data.IterableDataset):
         cache = collections.OrderedDict()  # a batch spans at most two partitions in a row
         for index in range(worker, len(self.plan), workers):
             x, y = batch_tensors(self._rows(self.plan[index], cache), self.layout)
-            yield pad(x, y) if pad else (x, y)
+            x, y = pad(x, y) if pad else (x, y)
+            # From a worker process: one buffer to send and pin, not one per tensor.
+            yield PackedBatch.pack(x, y) if info else (x, y)
 
     def _partition(self, partition: int, cache):
         if partition not in cache:

@@ -48,6 +48,7 @@ from merlin_t4r_ops.training.columnar import (
     plan_batches,
 )
 from merlin_t4r_ops.training.metrics import prediction_tasks
+from merlin_t4r_ops.training.packed import PackedBatch
 from merlin_t4r_ops.training.state import DistributedState, unwrap_model
 
 __all__ = [
@@ -216,10 +217,11 @@ class EpochBatches:
         if self._batches is None:
             raise StopIteration
         try:
-            return next(self._batches)
+            batch = next(self._batches)
         except BaseException:
             self.close()
             raise
+        return batch.unpack() if isinstance(batch, PackedBatch) else batch
 
     def close(self) -> None:
         """End the workers and thread reading ahead; the pass yields nothing more."""
