@@ -1,10 +1,13 @@
 """The whole serving endpoint, raw sessions to raw ids, beside the model alone.
 
-Three ensembles in one tritonserver, measured side by side in one run, rounds alternating
+The ensembles in one tritonserver, measured side by side in one run, rounds alternating
 (``serving.py``'s ``measure_cell``), p50 over gRPC with each request's inputs prepared once
 (no metadata RPC per call):
 
-* ``model``          encoded sessions >> ``PredictT4RPyTorch(top_k)``: the model alone;
+* ``model``          encoded sessions >> ``PredictT4RPyTorch(top_k)``: the model alone, as
+                     Merlin exports it (its executor model, ``LocalExecutor``);
+* ``model-lean``     the model alone exported with ``merlin_t4r_ops.runtime.TritonRuntime()``:
+                     a chain of one operator, run directly (``merlin_t4r_ops.runtime.chain``);
 * ``endpoint``       raw sessions >> ``TransformWorkflow`` (Categorify of items and
                      categories) >> ``PredictT4RPyTorch(top_k, exclude_seen=True)`` >>
                      ``DecodeItemIds``, exported as Merlin does: NVTabular in a Triton model
@@ -30,8 +33,8 @@ Usage::
     python benchmarks/endpoint.py --quick                    # CPU, a few minutes
     python benchmarks/endpoint.py --device cuda              # the H200 (CUDA-graph buckets)
     python benchmarks/endpoint.py --concurrency 1,64         # and 64 concurrent clients
-    python benchmarks/endpoint.py --device cuda --paths model,endpoint-fast,endpoint-lean \
-        --concurrency 1,64 --seconds 3 --output endpoint-h200.md   # the lead's device run
+    python benchmarks/endpoint.py --device cuda --concurrency 1,64 --seconds 3 \
+        --paths model,model-lean,endpoint-fast,endpoint-lean --output endpoint-h200.md
 """
 
 import argparse
@@ -46,8 +49,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import serving as bench  # noqa: E402  (adds the tests' factories to sys.path)
 
-PATHS = {"model": "model_alone", "endpoint": "endpoint", "endpoint-fast": "endpoint_fast",
-         "endpoint-lean": "endpoint_lean"}
+PATHS = {"model": "model_alone", "model-lean": "model_lean", "endpoint": "endpoint",
+         "endpoint-fast": "endpoint_fast", "endpoint-lean": "endpoint_lean"}
+ENCODED = ("model", "model-lean")  # the paths that take encoded sessions, not raw ones
 IN_PROCESS = "in process"  # the endpoint's graph, built but not exported: its ops' stages
 _CHAINS = {}
 RUNTIMES = {"endpoint-fast": dict(lean_chain=False), "endpoint-lean": dict(lean_chain=True)}
@@ -131,7 +135,7 @@ def raw_sessions(batch, rng, args):
 
 
 def export(workflow, model, args, device, path):
-    """The three ensembles of ``PATHS`` into one repository; returns them by path."""
+    """The ensembles of ``args.paths`` into one repository; returns them by path."""
     from merlin.systems.dag import Ensemble
     from merlin.systems.dag.ops.workflow import TransformWorkflow
 
@@ -154,6 +158,11 @@ def export(workflow, model, args, device, path):
     ensembles["model"].export(path, name=PATHS["model"])
     ensembles[IN_PROCESS] = endpoint()
     for name in args.paths[1:]:
+        if name == "model-lean":
+            ensembles[name] = Ensemble(model.input_schema.column_names >> predict(),
+                                       model.input_schema)
+            ensembles[name].export(path, name=PATHS[name], runtime=TritonRuntime())
+            continue
         ensembles[name] = endpoint()
         runtime = TritonRuntime(**RUNTIMES[name]) if name in RUNTIMES else None
         ensembles[name].export(path, name=PATHS[name], runtime=runtime)
@@ -258,7 +267,7 @@ def run(args):
             for batch in [int(b) for b in args.batch_sizes.split(",")]:
                 raw = raw_sessions(batch, rng, args)
                 encoded = workflow._transform_df(raw)
-                frames = {path: encoded if path == "model" else raw for path in args.paths}
+                frames = {path: encoded if path in ENCODED else raw for path in args.paths}
                 makers = {path: bench.triton_calls(
                     PATHS[path], ensembles[path].output_schema.column_names, frames[path],
                     specs[path], server, prepared=True) for path in args.paths}
@@ -281,10 +290,11 @@ def run(args):
                     for path in args.paths[1:]:
                         ratios.append((path, batch, concurrency,
                                        cells[path]["p50_ms"] / cells["model"]["p50_ms"]))
-                    if concurrency == 1:
+                    raw_paths = [path for path in args.paths if path not in ENCODED]
+                    if concurrency == 1 and raw_paths:
+                        last = raw_paths[-1]
                         local = in_process_stages(workflow, raw, encoded, ensembles,
-                                                  specs[args.paths[-1]], server, 30, args.paths)
-                        last = args.paths[-1]
+                                                  specs[last], server, 30, raw_paths)
                         stages.append((batch, server_stages(before, after, models), local,
                                        (last, cells[last]["p50_ms"])))
     return device, lines, stages, ratios

@@ -1,4 +1,4 @@
-"""The lean chain (workflow >> model >> decode run directly) answers as Merlin's executor does.
+"""The lean chain (workflow >> model >> decode, run directly) answers as Merlin's executor does.
 
 Each ensemble is exported twice into one repository, with ``TritonRuntime()`` (the lean
 chain) and ``TritonRuntime(lean_chain=False)`` (Merlin's ``LocalExecutor``), and served by
@@ -199,8 +199,52 @@ def test_a_graph_with_branches_is_not_a_chain(tmp_path, session_workflow):
         str(tmp_path), name=BRANCHES, runtime=TritonRuntime())
     loaded = Ensemble.load(str(tmp_path / BRANCHES / "1" / "ensemble"))
     assert lean_chain(loaded) is None
-    assert "not the chain ['SelectionOp', 'CompiledWorkflow', 'PredictT4RPyTorch', " \
-           "'DecodeItemIds']" in why_not_a_chain(loaded)
+    assert "not the chain ['SelectionOp', 'CompiledWorkflow (optional)', 'PredictT4RPyTorch', " \
+           "'DecodeItemIds (optional)']" in why_not_a_chain(loaded)
+
+
+SHORTER = {"model alone": (False, False), "model >> decode": (False, True),
+           "workflow >> model": (True, False)}
+
+
+@pytest.mark.parametrize("shape", SHORTER)
+def test_shorter_chains_run_lean_and_answer_as_the_executor(tmp_path, session_workflow, shape):
+    """The model alone (encoded sessions in), with only the decoding, or only the workflow:
+    chains too, run directly, and the answers are the executor's (the full chain: above)."""
+    from merlin.dag import ColumnSelector
+    from merlin.systems.dag import Ensemble
+    from merlin.systems.dag.ops.workflow import TransformWorkflow
+    from merlin.table import TensorTable
+
+    from merlin_t4r_ops import DecodeItemIds, PredictT4RPyTorch
+    from merlin_t4r_ops.runtime import TritonRuntime
+    from merlin_t4r_ops.runtime.chain import lean_chain, why_not_a_chain
+    from merlin_t4r_ops.workflow import compile_workflow
+
+    with_workflow, decode = SHORTER[shape]
+    workflow, model, raw = session_workflow
+    tables = [TensorTable(dataframe_arrays(raw.head(rows), raw_dtypes(raw))) for rows in (1, 16)]
+    head, schema = workflow.input_schema.column_names, workflow.input_schema
+    if with_workflow:
+        head = head >> TransformWorkflow(workflow)
+    else:  # encoded sessions, as the workflow hands them over
+        encode = compile_workflow(TransformWorkflow(workflow))
+        tables = [encode.transform(ColumnSelector(), table) for table in tables]
+        head, schema = model.input_schema.column_names, model.input_schema
+    pipeline = head >> PredictT4RPyTorch(model, top_k=TOP_K, exclude_seen=True)
+    if decode:
+        pipeline = pipeline >> DecodeItemIds(workflow)
+    Ensemble(pipeline, schema).export(str(tmp_path), name="shorter", runtime=TritonRuntime())
+    loaded = factories.load_exported(str(tmp_path / "shorter" / "1" / "ensemble"))
+    assert why_not_a_chain(loaded) is None
+    chain = lean_chain(loaded)
+    assert chain.decodes == decode and chain.decodes_in_graph == decode
+    for table in tables:
+        expected = loaded.transform(table).to_dict()
+        got = chain.transform(table).to_dict()
+        assert list(got) == list(expected)
+        for name in got:
+            np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(

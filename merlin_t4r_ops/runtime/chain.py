@@ -1,12 +1,14 @@
-"""Run the linear serving chain directly: workflow, then model, then decoding.
+"""Run a linear serving chain directly: workflow, then model, then decoding.
 
 Merlin's ``LocalExecutor`` walks the graph on every request: it resolves each node's
 selector, merges and converts the parents' columns, and runs a parent again for every child.
 For the endpoint most shops serve, raw sessions >> ``TransformWorkflow`` (compiled by
 :mod:`merlin_t4r_ops.workflow`) >> ``PredictT4RPyTorch`` >> ``DecodeItemIds``, every node has one
 parent and the walk is pure overhead. :class:`LeanChain` resolves the selections once and
-calls the three operators' ``transform`` one after the other, on the same ``TensorTable``
-objects the executor would hand them, so the answer and its errors are the executor's.
+calls the operators' ``transform`` one after the other, on the same ``TensorTable`` objects
+the executor would hand them, so the answer and its errors are the executor's. The workflow
+and the decoding are optional: the model alone (encoded sessions in, encoded ids out) is a
+chain too.
 
 Where the shop's item ids are signed integers (and ``PredictT4RPyTorch(decode_in_graph=True)``,
 the default), the model's operator looks the raw ids up itself, on its device, right after
@@ -31,7 +33,9 @@ from merlin_t4r_ops.workflow import CompiledWorkflow
 
 __all__ = ["LeanChain", "lean_chain", "why_not_a_chain"]
 
+# The chain's operators in order; the workflow and the decoding may be left out.
 CHAIN = (SelectionOp, CompiledWorkflow, PredictT4RPyTorch, DecodeItemIds)
+OPTIONAL = (CompiledWorkflow, DecodeItemIds)
 
 
 class LeanChain:
@@ -40,8 +44,8 @@ class LeanChain:
     Parameters
     ----------
     nodes : list of merlin.dag.Node
-        The chain's nodes, parents first: the input selection, the compiled workflow, the
-        model and the decoder (see :func:`lean_chain`).
+        The chain's nodes, parents first: the input selection, the compiled workflow if any,
+        the model and the decoder if any (see :func:`lean_chain`).
 
     Notes
     -----
@@ -54,11 +58,20 @@ class LeanChain:
 
     def __init__(self, nodes):
         self.inputs = nodes[0].output_schema.column_names
-        decoding = nodes[2].op.decoding_copy(nodes[3].op.vocabulary)
-        self.decodes_in_graph = decoding is not None
-        ops = [nodes[1].op, decoding] if decoding else [node.op for node in nodes[1:]]
+        self.names = [type(node.op).__name__ for node in nodes[1:]]
+        ops = [node.op for node in nodes[1:]]
+        self.decodes_in_graph = False
+        if isinstance(ops[-1], DecodeItemIds):
+            decoding = ops[-2].decoding_copy(ops[-1].vocabulary)
+            if decoding is not None:  # the model's node runs the copy; the decoder's, nothing
+                ops, self.decodes_in_graph = ops[:-2] + [decoding], True
         self.steps = [(op, node.input_columns.resolve(node.input_schema))
                       for op, node in zip(ops, nodes[1:])]
+
+    @property
+    def decodes(self) -> bool:
+        """Whether the chain answers the shop's raw ids (it ends with ``DecodeItemIds``)."""
+        return self.names[-1] == DecodeItemIds.__name__
 
     def transform(self, table: TensorTable) -> TensorTable:
         """The ensemble's output columns for ``table``'s rows, as Merlin's executor gives them."""
@@ -68,17 +81,31 @@ class LeanChain:
         return columns
 
 
-def why_not_a_chain(ensemble) -> Optional[str]:
-    """Why ``ensemble``'s exported graph is not the lean chain; None when it is.
+def _fits_the_chain(ops) -> bool:
+    """Whether ``ops`` are :data:`CHAIN`'s operators in order, optional ones perhaps left out."""
+    position = 0
+    for op in ops:
+        while position < len(CHAIN) and not isinstance(op, CHAIN[position]):
+            if CHAIN[position] not in OPTIONAL:
+                return False
+            position += 1
+        if position == len(CHAIN):
+            return False
+        position += 1
+    return all(kind in OPTIONAL for kind in CHAIN[position:])
 
-    The chain is the ensemble's inputs >> a compiled ``TransformWorkflow`` >>
-    ``PredictT4RPyTorch`` >> ``DecodeItemIds``, each node with one parent and no other
-    dependency (``DecodeItemIds`` itself refuses a parent without its ids column).
+
+def why_not_a_chain(ensemble) -> Optional[str]:
+    """Why ``ensemble``'s exported graph is not a lean chain; None when it is.
+
+    A chain is the ensemble's inputs >> a compiled ``TransformWorkflow`` (optional) >>
+    ``PredictT4RPyTorch`` >> ``DecodeItemIds`` (optional), each node with one parent and no
+    other dependency (``DecodeItemIds`` itself refuses a parent without its ids column).
     """
     nodes = list(postorder_iter_nodes(ensemble.graph.output_node))
-    found = [type(node.op).__name__ for node in nodes]
-    expected = [op.__name__ for op in CHAIN]
-    if len(nodes) != len(CHAIN) or not all(isinstance(n.op, op) for n, op in zip(nodes, CHAIN)):
+    if not _fits_the_chain([node.op for node in nodes]):
+        found = [type(node.op).__name__ for node in nodes]
+        expected = [op.__name__ + (" (optional)" if op in OPTIONAL else "") for op in CHAIN]
         return f"its operators are {found}, not the chain {expected}"
     for parent, node in zip(nodes, nodes[1:]):
         if node.parents_with_dependencies != [parent]:

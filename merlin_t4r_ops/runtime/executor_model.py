@@ -15,8 +15,8 @@ rows, in order. When a batch fails with a request error it runs again in halves,
 request fails alone and the others are answered.
 
 Where the runtime asked for it (the ``lean_chain`` config parameter) and the graph is the
-linear chain workflow >> ``PredictT4RPyTorch`` >> ``DecodeItemIds``, the operators run one
-after the other (:mod:`merlin_t4r_ops.runtime.chain`) instead of through Merlin's
+linear chain workflow >> ``PredictT4RPyTorch`` >> ``DecodeItemIds`` (the workflow and the
+decoding optional: the model alone is a chain), the operators run one after the other (:mod:`merlin_t4r_ops.runtime.chain`) instead of through Merlin's
 ``LocalExecutor``; the load report in the server's log says which executor runs.
 """
 
@@ -137,9 +137,11 @@ def _executor_report(wanted, ensemble, chain):
     if not wanted:
         return "Merlin's LocalExecutor runs the graph (lean_chain=False)"
     if chain is not None:
+        report = f"the lean chain runs the graph ({' >> '.join(chain.names)})"
+        if not chain.decodes:
+            return report
         where = ("the model's device, after its top-k" if chain.decodes_in_graph
                  else "the host (DecodeItemIds)")
-        return ("the lean chain runs the graph (workflow >> model >> decode); ids decoded on "
-                + where)
+        return f"{report}; ids decoded on {where}"
     why = why_not_a_chain(ensemble)
     return f"Merlin's LocalExecutor runs the graph: it is not the lean chain, {why}"
