@@ -15,9 +15,9 @@ of that stream. Shards therefore
 
 This module decides which rows each rank reads, in which order;
 :mod:`~merlin_t4r_ops.training.columnar` reads them with pyarrow and makes the
-tensors that Merlin's ``Loader`` made from them, in ``torch.utils.data.DataLoader``
-worker processes that prepare batches ahead of the training step
-(:func:`default_num_workers`).
+tensors that Merlin's ``Loader`` made from them, in the training process or, when asked,
+in ``torch.utils.data.DataLoader`` worker processes that prepare batches ahead of the
+training step (``num_workers``; :func:`worker_share`).
 
 List columns are cropped and padded inside the loader, by the rule and to the
 width that the operator serves with (:mod:`merlin_t4r_ops.sequence`): dense
@@ -31,6 +31,7 @@ import dataclasses
 import glob
 import itertools
 import os
+import warnings
 import weakref
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -52,7 +53,7 @@ from merlin_t4r_ops.training.packed import PackedBatch
 from merlin_t4r_ops.training.state import DistributedState, unwrap_model
 
 __all__ = [
-    "ShardedLoader", "EpochBatches", "batches_of", "default_num_workers", "make_loader",
+    "ShardedLoader", "EpochBatches", "batches_of", "worker_share", "make_loader",
     "model_columns", "shard_rows", "to_device",
 ]
 
@@ -305,8 +306,9 @@ class ShardedLoader:
         off so that no row counts twice.
     num_workers : int, optional
         Worker processes that read, convert and pad batches ahead of the step
-        (``torch.utils.data.DataLoader``'s); 0 makes them in this process.
-        Default :func:`default_num_workers`.
+        (``torch.utils.data.DataLoader``'s). Default 0: this process makes them, which
+        kept a GPU busiest (see :func:`worker_share`). More than this rank's
+        :func:`worker_share` warns.
     pin_memory : bool, optional
         Batches in page-locked memory, so that ``to_device(..., non_blocking=True)``
         copies overlap the step. Default: when ``state.device`` is CUDA.
@@ -369,7 +371,13 @@ class ShardedLoader:
         self.list_columns = [c.name for c in schema if c.is_list]
         self.id_columns = [c.name for c in schema if Tags.CATEGORICAL in c.tags]
         self.partition_lengths = _partition_lengths(dataset)
-        self.num_workers = default_num_workers(state) if num_workers is None else num_workers
+        self.num_workers = 0 if num_workers is None else int(num_workers)
+        if self.num_workers > worker_share(state):
+            warnings.warn(
+                f"num_workers={self.num_workers} is more than this rank's share of the node's "
+                f"cores ({worker_share(state)}: {_cores()} cores over {state.local_world_size} "
+                "local ranks); the workers and the training step will compete for them",
+                stacklevel=2)
         on_cuda = state.device.type == "cuda"
         self.pin_memory = on_cuda if pin_memory is None else bool(pin_memory) and on_cuda
         self._reader = partition_reader(dataset, schema.column_names, self.partition_lengths)
@@ -465,23 +473,29 @@ def _after_rows(pieces, skip_rows: int) -> List[Tuple[int, int, int]]:
     return kept
 
 
-def default_num_workers(state: DistributedState) -> int:
-    """Worker processes per rank when none are asked for: 0 off CUDA, else
-    ``min(4, cores // local_world_size)``.
-
-    On a CPU the step and the workers would share the same cores, so batches are made in
-    the training process; on CUDA the cores this process may use (its affinity) are
-    shared by the node's ranks, so that together they never ask for more workers than
-    cores. Four workers keep ahead of the step that issue 22 profiled (22 ms of loading
-    against 24 ms of model per step on one worker's worth of work).
-    """
-    if state.device.type != "cuda":
-        return 0
+def _cores() -> int:
+    """The cores this process may run on (its affinity)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return min(4, cores // max(1, state.local_world_size))
+        return os.cpu_count() or 1
+
+
+def worker_share(state: DistributedState) -> int:
+    """The most loader workers a rank starts without oversubscribing its node's cores.
+
+    The cores this process may use are shared by the node's ranks (torchrun's
+    ``LOCAL_WORLD_SIZE``): ``cores // local_world_size``. Asking for more warns.
+
+    Workers are not the default. On the H200 machine (16 cores), ``fit`` at T4R's tutorial
+    setting reached 0.89, 0.77, 0.70 and 0.66 of the model's own pace with 0, 2, 4 and 8
+    workers, and at batch 1024, d_model 128, 0.67, 0.55 and 0.52 with 0, 2 and 4
+    (``benchmarks/training.py --workers-sweep``; docs/benchmarks.md). The columnar loader
+    makes a batch in about a millisecond, and a host-bound step loses more to receiving
+    and pinning batches from other processes than it gains from their overlap. Workers pay
+    off where reading is slow (remote storage, heavy decoding).
+    """
+    return _cores() // max(1, state.local_world_size)
 
 
 def make_loader(

@@ -326,9 +326,9 @@ def fit(
         drops the rows past its checkpoint's step, a fresh one every row.
     num_workers : int, optional
         Worker processes per rank that read, convert and pad batches ahead of the
-        step, for the loaders ``fit`` builds. Default
-        :func:`~merlin_t4r_ops.training.data.default_num_workers`: 0 on a CPU,
-        ``min(4, cores // local_world_size)`` on CUDA.
+        step, for the loaders ``fit`` builds. Default 0: the batches are made in the
+        training process, which kept the GPU busiest in the measurements of
+        :func:`~merlin_t4r_ops.training.data.worker_share`.
     pin_memory : bool, optional
         Page-locked batches (CUDA only), copied to the device with
         ``non_blocking=True``. Default: on CUDA.

@@ -1,16 +1,16 @@
 """Run under ``torch.distributed.run`` by tests/test_training_workers.py: workers per rank.
 
-Each gloo rank resolves its strategy as torchrun launched it, asks for the loader workers
-that the default gives a CUDA rank of this node (``default_num_workers`` with this rank's
-``local_world_size``), opens a pass and counts the worker processes it started. Writes
-``rank{R}.json`` (and an empty ``rank{R}.pt``) to ``--out``.
+Each gloo rank resolves its strategy as torchrun launched it, opens a pass with the default
+workers and one with its share of the node's cores (``worker_share`` with this rank's
+``local_world_size``), counts the worker processes each started, and asks for one more than
+its share (a warning). Writes ``rank{R}.json`` (and an empty ``rank{R}.pt``) to ``--out``.
 """
 
 import argparse
-import dataclasses
 import multiprocessing
 import os
 import sys
+import warnings
 
 import torch
 
@@ -19,7 +19,7 @@ import t4r_training_factories as factories  # noqa: E402
 from torchrun_launch import write_rank_results  # noqa: E402
 
 from merlin_t4r_ops.training import make_loader, resolve_strategy  # noqa: E402
-from merlin_t4r_ops.training.data import default_num_workers  # noqa: E402
+from merlin_t4r_ops.training.data import worker_share  # noqa: E402
 
 
 def main():
@@ -28,19 +28,25 @@ def main():
     args = parser.parse_args()
 
     state = resolve_strategy("auto")
-    as_if_on_cuda = dataclasses.replace(state, device=torch.device("cuda", state.local_rank))
-    workers = default_num_workers(as_if_on_cuda)
-    loader = make_loader(factories.testing_dataset(factories.testing_frame(), 8),
-                         factories.testing_model(), state, batch_size=32, num_workers=workers)
-    before = set(multiprocessing.active_children())
-    with iter(loader) as batches:
-        next(batches)
-        started = len(set(multiprocessing.active_children()) - before)
+    data, model = factories.testing_dataset(factories.testing_frame(), 8), factories.testing_model()
+
+    def started(**options) -> int:
+        loader = make_loader(data, model, state, batch_size=32, **options)
+        before = set(multiprocessing.active_children())
+        with iter(loader) as batches:
+            next(batches)
+            return len(set(multiprocessing.active_children()) - before)
+
+    share = worker_share(state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_loader(data, model, state, batch_size=32, num_workers=share + 1)
     info = {
         "local_world_size": state.local_world_size,
-        "cpu_default": default_num_workers(state),
-        "cuda_default": workers,
-        "started": started,
+        "share": share,
+        "started_by_default": started(),
+        "started_for_share": started(num_workers=share),
+        "over_share_warnings": [str(w.message) for w in caught if "num_workers" in str(w.message)],
         "cores": len(os.sched_getaffinity(0)),
     }
     torch.distributed.barrier()
