@@ -14,7 +14,8 @@ Paths (``benchmarks/training_paths.py``):
 * ``t4r-loader``: a bare loop (forward, backward, Adam) over T4R's own loader;
 * ``cached``: the same bare loop over batches already on the device: the model's own pace;
 * optional: ``fit-compile``, ``fit-bf16-compile`` (``compile=True``), ``cached-fused``
-  (``Adam(fused=True)``).
+  (``Adam(fused=True)``), ``trainer-no-nan-filter`` (our Trainer with Hugging Face's
+  ``logging_nan_inf_filter=False``: no read of each step's loss).
 
 The table gives the best samples/s of the rounds, the ratio to T4R's Trainer and to
 ``cached``, and the GPU's mean utilisation over the timed steps (NVML, sampled every

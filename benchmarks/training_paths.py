@@ -187,10 +187,10 @@ def _stop_when_done(clock):
     return StopWhenDone()
 
 
-def _training_args(setting: Setting):
+def _training_args(setting: Setting, **overrides):
     from transformers4rec.config.trainer import T4RecTrainingArguments
 
-    return T4RecTrainingArguments(
+    return T4RecTrainingArguments(**overrides,
         output_dir=setting.scratch, per_device_train_batch_size=setting.batch_size,
         num_train_epochs=1, max_sequence_length=MAX_SEQUENCE_LENGTH,
         data_loader_engine="merlin_dataloader", report_to=[], save_strategy="no",
@@ -235,16 +235,23 @@ def run_t4r_trainer(setting: Setting, clock: StepClock) -> None:
         trainer.train()
 
 
-def run_our_trainer(setting: Setting, clock: StepClock) -> None:
-    """``merlin_t4r_ops.training.Trainer.train()`` (strategy single)."""
-    from merlin_t4r_ops.training import Trainer
+def _our_trainer_runner(**args_overrides) -> Callable[[Setting, StepClock], None]:
+    def run(setting: Setting, clock: StepClock) -> None:
+        """``merlin_t4r_ops.training.Trainer.train()`` (strategy single)."""
+        from merlin_t4r_ops.training import Trainer
 
-    trainer = _quiet(Trainer(model=setting.model(), args=_training_args(setting),
-                             strategy="single", schema=t4r_schema(),
-                             train_dataset_or_path=setting.files,
-                             callbacks=[_stop_when_done(clock)]))
-    with clock.hooked():
-        trainer.train()
+        trainer = _quiet(Trainer(model=setting.model(),
+                                 args=_training_args(setting, **args_overrides),
+                                 strategy="single", schema=t4r_schema(),
+                                 train_dataset_or_path=setting.files,
+                                 callbacks=[_stop_when_done(clock)]))
+        with clock.hooked():
+            trainer.train()
+
+    return run
+
+
+run_our_trainer = _our_trainer_runner()
 
 
 def _fit_runner(**options) -> Callable[[Setting, StepClock], None]:
@@ -334,6 +341,8 @@ def _epoch_rows(setting: Setting) -> int:
 PATHS: Dict[str, Callable[[Setting, StepClock], None]] = {
     "t4r-trainer": run_t4r_trainer,
     "trainer": run_our_trainer,
+    # Hugging Face's default logging_nan_inf_filter reads each step's loss: a host sync a step.
+    "trainer-no-nan-filter": _our_trainer_runner(logging_nan_inf_filter=False),
     "fit": _fit_runner(),
     "fit-fp16": _fit_runner(amp=True),
     "fit-bf16": _fit_runner(amp="bf16"),
