@@ -7,6 +7,7 @@ reader must yield exactly these batches.
 """
 
 import dask.dataframe as dd
+import torch
 from merlin.dataloader.torch import Loader
 from merlin.io import Dataset
 
@@ -48,3 +49,12 @@ def merlin_batches(loader, epoch, skip_batches=0):
         return [pad(*next(batches)) if pad else next(batches) for _ in range(len(merlin))]
     finally:
         merlin.stop()
+
+
+def identical(a, b) -> bool:
+    """Batch parts equal tensor for tensor: dict keys in order, dtypes, shapes, values."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(identical(a[k], b[k]) for k in a)
+    if a is None or b is None:
+        return a is b
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import t4r_training_factories as factories
-from merlin_reference import merlin_batches
+from merlin_reference import identical, merlin_batches
 from merlin_t4r_ops.training import DistributedState
 from merlin_t4r_ops.training.data import ShardedLoader, as_dataset
 
@@ -19,14 +19,6 @@ CPU = torch.device("cpu")
 
 def rank_of_two(rank):
     return DistributedState("ddp", rank, rank, 2, CPU, "order test", local_world_size=2)
-
-
-def identical(a, b) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(identical(a[k], b[k]) for k in a)
-    if a is None or b is None:
-        return a is b
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
 def assert_same_batches(loader, epoch, skip=0):

@@ -10,19 +10,12 @@ import pytest
 import torch
 
 import t4r_training_factories as factories
+from merlin_reference import identical
 from merlin_t4r_ops.training import DistributedState
 from merlin_t4r_ops.training.data import ShardedLoader, as_dataset
 from merlin_t4r_ops.training.packed import PackedBatch
 
 CPU = torch.device("cpu")
-
-
-def identical(a, b) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(identical(a[k], b[k]) for k in a)
-    if a is None or b is None:
-        return a is b
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
 def some_tensors():
