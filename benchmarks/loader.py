@@ -15,6 +15,7 @@ shared-memory tensor per tensor (``DataLoader``'s own way), in alternating round
 """
 
 import argparse
+import itertools
 import os
 import sys
 import tempfile
@@ -72,7 +73,8 @@ def main():
         workers_ms, _ = per_batch_ms(lambda: columnar(args.workers))
         print(f"columnar with {args.workers} workers (their start included): "
               f"{workers_ms:.2f} ms per batch")
-        receiving(folder, args)
+        if args.workers > 0:
+            receiving(folder, args)
 
 
 class _PerTensor(torch.utils.data.IterableDataset):
@@ -87,7 +89,13 @@ class _PerTensor(torch.utils.data.IterableDataset):
 
         for batch in self.epoch:
             x, y = batch.unpack() if isinstance(batch, PackedBatch) else batch
-            yield {k: v.clone() for k, v in x.items()}, None if y is None else y.clone()
+            yield {k: v.clone() for k, v in x.items()}, _cloned(y)
+
+
+def _cloned(y):
+    if isinstance(y, dict):
+        return {k: v.clone() for k, v in y.items()}
+    return None if y is None else y.clone()
 
 
 def _receive_ms(dataset, workers: int, batches: int) -> tuple:
@@ -100,7 +108,7 @@ def _receive_ms(dataset, workers: int, batches: int) -> tuple:
     next(got)
     time.sleep(3)  # the workers fill their queues: what follows is receiving, not making
     cpu, wall, n = time.process_time(), time.perf_counter(), 0
-    for batch in got:
+    for batch in itertools.islice(got, batches):
         if isinstance(batch, PackedBatch):
             batch.unpack()
         n += 1

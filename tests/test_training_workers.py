@@ -22,7 +22,7 @@ def test_two_gloo_ranks_share_the_cores_without_oversubscription(tmp_path):
         assert info["local_world_size"] == 2, info
         assert info["started_by_default"] == 0, info  # batches made in the training process
         assert info["share"] == cores // 2, info
-        assert info["started_for_share"] == info["share"], info
+        assert info["started_for_share"] == min(info["share"], 2), info
         assert len(info["over_share_warnings"]) == 1, info
         assert f"num_workers={cores // 2 + 1} is more than this rank's share" \
             in info["over_share_warnings"][0], info

@@ -59,6 +59,7 @@ class LeanChain:
     def __init__(self, nodes):
         self.inputs = nodes[0].output_schema.column_names
         self.names = [type(node.op).__name__ for node in nodes[1:]]
+        self._last_op = nodes[-1].op
         ops = [node.op for node in nodes[1:]]
         self.decodes_in_graph = False
         if isinstance(ops[-1], DecodeItemIds):
@@ -71,7 +72,7 @@ class LeanChain:
     @property
     def decodes(self) -> bool:
         """Whether the chain answers the shop's raw ids (it ends with ``DecodeItemIds``)."""
-        return self.names[-1] == DecodeItemIds.__name__
+        return isinstance(self._last_op, DecodeItemIds)
 
     def transform(self, table: TensorTable) -> TensorTable:
         """The ensemble's output columns for ``table``'s rows, as Merlin's executor gives them."""

@@ -16,8 +16,9 @@ request fails alone and the others are answered.
 
 Where the runtime asked for it (the ``lean_chain`` config parameter) and the graph is the
 linear chain workflow >> ``PredictT4RPyTorch`` >> ``DecodeItemIds`` (the workflow and the
-decoding optional: the model alone is a chain), the operators run one after the other (:mod:`merlin_t4r_ops.runtime.chain`) instead of through Merlin's
-``LocalExecutor``; the load report in the server's log says which executor runs.
+decoding optional: the model alone is a chain), the operators run one after the other
+(:mod:`merlin_t4r_ops.runtime.chain`) instead of through Merlin's ``LocalExecutor``; the load
+report in the server's log says which executor runs.
 """
 
 import json

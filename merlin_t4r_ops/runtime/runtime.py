@@ -54,8 +54,8 @@ class TritonRuntime(TritonExecutorRuntime):
         rows is refused either way (:func:`merlin_t4r_ops.workflow.without_filters`).
     lean_chain : bool
         Where the graph is the linear chain inputs >> compiled ``TransformWorkflow`` >>
-        ``PredictT4RPyTorch`` >> ``DecodeItemIds``, run its three operators one after the
-        other in the executor (:mod:`merlin_t4r_ops.runtime.chain`) instead of through
+        ``PredictT4RPyTorch`` >> ``DecodeItemIds`` (the workflow and the decoding optional),
+        run its operators one after the other in the executor (:mod:`merlin_t4r_ops.runtime.chain`) instead of through
         Merlin's ``LocalExecutor``: same answers and errors, less time per request. Any
         other graph keeps Merlin's executor. False: always Merlin's.
 

@@ -16,7 +16,8 @@ crop-and-pad rule of training and serving (:func:`merlin_t4r_ops.sequence.pad_li
 :class:`EpochDataset` is a ``torch.utils.data.IterableDataset``: worker ``w`` of ``W`` makes
 batches ``w, w + W, ...``, which ``DataLoader`` hands out round robin, in order. A worker
 yields each batch as a :class:`~merlin_t4r_ops.training.packed.PackedBatch` (one buffer), which
-:class:`~merlin_t4r_ops.training.data.EpochBatches` unpacks.
+:class:`~merlin_t4r_ops.training.data.EpochBatches` unpacks; a ``DataLoader`` of one's own over
+an ``EpochDataset`` with workers gets ``PackedBatch`` objects (``.unpack()`` gives ``(x, y)``).
 """
 
 import collections

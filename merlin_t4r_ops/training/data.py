@@ -374,9 +374,10 @@ class ShardedLoader:
         self.num_workers = 0 if num_workers is None else int(num_workers)
         if self.num_workers > worker_share(state):
             warnings.warn(
-                f"num_workers={self.num_workers} is more than this rank's share of the node's "
-                f"cores ({worker_share(state)}: {_cores()} cores over {state.local_world_size} "
-                "local ranks); the workers and the training step will compete for them",
+                f"num_workers={self.num_workers} is more than this rank's share of the cores "
+                f"({worker_share(state)}: this process's {_cores()} cores over "
+                f"{state.local_world_size} local ranks); the workers and the training step will "
+                "compete for them",
                 stacklevel=2)
         on_cuda = state.device.type == "cuda"
         self.pin_memory = on_cuda if pin_memory is None else bool(pin_memory) and on_cuda
@@ -482,10 +483,11 @@ def _cores() -> int:
 
 
 def worker_share(state: DistributedState) -> int:
-    """The most loader workers a rank starts without oversubscribing its node's cores.
+    """A rank's share of the cores: the most loader workers it may ask for without a warning.
 
-    The cores this process may use are shared by the node's ranks (torchrun's
-    ``LOCAL_WORLD_SIZE``): ``cores // local_world_size``. Asking for more warns.
+    The cores this process may use (its affinity) are shared by the node's ranks (torchrun's
+    ``LOCAL_WORLD_SIZE``): ``cores // local_world_size``. The training process runs on the
+    same cores, so a rank that takes its whole share still shares one with its workers.
 
     Workers are not the default. On the H200 machine (16 cores), ``fit`` at T4R's tutorial
     setting reached 0.89, 0.77, 0.70 and 0.66 of the model's own pace with 0, 2, 4 and 8

@@ -3,15 +3,16 @@
 ``torch.utils.data.DataLoader`` sends every tensor a worker yields through shared memory of
 its own: the worker creates a segment, and the training process receives its file
 descriptor and maps it, tensor by tensor. A batch of T4R's testing data holds 15 tensors:
-receiving them from 2 workers took 2.2 ms of the training process's CPU a batch (batch 384,
-a 2-core host), and 0.6-0.9 ms as one buffer (``python benchmarks/loader.py --rows 8000``
-prints both). That time is the training loop's, whose step is host-bound on a GPU. The
+receiving them from 2 workers took 1.6-3.7 ms of the training process's CPU a batch (batch
+384, a 2-core host), and 0.6-0.9 ms as one buffer (``python benchmarks/loader.py --rows 8000``
+prints both; docs/benchmarks.md has a run). That time is the training loop's, whose step is host-bound on a GPU. The
 pin-memory thread then pinned each tensor on its own.
 
 A worker therefore yields a :class:`PackedBatch`: the batch's tensors copied into one
 ``uint8`` buffer, with where each one lies. The ``DataLoader`` sends and pins that one
 buffer, and the training process takes the tensors back as views of it (pinned where the
-buffer is), equal tensor for tensor to the batch the worker made.
+buffer is), equal tensor for tensor to the batch the worker made. A view kept (labels held for
+metrics, say) keeps its whole batch's buffer alive.
 """
 
 import dataclasses
@@ -65,7 +66,7 @@ class PackedBatch:
 
     def _views(self):
         for _, _, dtype, shape, start in self.fields:
-            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
             yield self.buffer[start:start + nbytes].view(dtype).view(shape)
 
     def unpack(self) -> Tuple[dict, Any]:

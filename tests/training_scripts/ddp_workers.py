@@ -1,7 +1,7 @@
 """Run under ``torch.distributed.run`` by tests/test_training_workers.py: workers per rank.
 
 Each gloo rank resolves its strategy as torchrun launched it, opens a pass with the default
-workers and one with its share of the node's cores (``worker_share`` with this rank's
+workers and one with its share of the cores, at most 2 (``worker_share`` with this rank's
 ``local_world_size``), counts the worker processes each started, and asks for one more than
 its share (a warning). Writes ``rank{R}.json`` (and an empty ``rank{R}.pt``) to ``--out``.
 """
@@ -45,7 +45,8 @@ def main():
         "local_world_size": state.local_world_size,
         "share": share,
         "started_by_default": started(),
-        "started_for_share": started(num_workers=share),
+        # At most 2: a pass starts no more workers than it has batches (16 per rank here).
+        "started_for_share": started(num_workers=min(share, 2)),
         "over_share_warnings": [str(w.message) for w in caught if "num_workers" in str(w.message)],
         "cores": len(os.sched_getaffinity(0)),
     }
