@@ -4,7 +4,7 @@
 its own: the worker creates a segment, and the training process receives its file
 descriptor and maps it, tensor by tensor. A batch of T4R's testing data holds 15 tensors:
 receiving them from 2 workers took 1.6-3.7 ms of the training process's CPU a batch (batch
-384, a 2-core host), and 0.6-0.9 ms as one buffer (``python benchmarks/loader.py --rows 8000``
+384, a 2-core host), and 0.5-0.9 ms as one buffer (``python benchmarks/loader.py --rows 8000``
 prints both; docs/benchmarks.md has a run). That time is the training loop's, whose step is host-bound on a GPU. The
 pin-memory thread then pinned each tensor on its own.
 
