@@ -373,3 +373,26 @@ def test_the_lookup_inverts_the_encoding_filler_included(session_workflow):
     np.testing.assert_array_equal(on_device.numpy(), vocabulary.decode(encoded))
     np.testing.assert_array_equal(vocabulary.decode(encoded)[0],
                                   [-1, vocabulary.raw_ids[0], vocabulary.raw_ids[-1]])
+
+
+def test_the_chain_takes_its_operators_in_order_and_nothing_else(session_workflow):
+    """Which operator sequences are a chain: the model once, the optional ones in place."""
+    from merlin.dag.ops import SelectionOp
+    from merlin.systems.dag.ops.workflow import TransformWorkflow
+
+    from merlin_t4r_ops import DecodeItemIds, PredictT4RPyTorch
+    from merlin_t4r_ops.runtime.chain import _fits_the_chain
+    from merlin_t4r_ops.workflow import compile_workflow
+
+    workflow, model, _ = session_workflow
+    select, predict = SelectionOp(), PredictT4RPyTorch(model, top_k=TOP_K)
+    compiled, decode = compile_workflow(TransformWorkflow(workflow)), DecodeItemIds(workflow)
+    chains = [[select, predict], [select, compiled, predict], [select, predict, decode],
+              [select, compiled, predict, decode]]
+    not_chains = [[select], [predict], [select, compiled], [select, decode],
+                  [select, predict, predict], [select, decode, predict],
+                  [select, predict, compiled], [select, compiled, compiled, predict],
+                  [select, TransformWorkflow(workflow), predict],
+                  [select, compiled, predict, decode, decode]]
+    assert all(_fits_the_chain(ops) for ops in chains)
+    assert not any(_fits_the_chain(ops) for ops in not_chains)
