@@ -26,7 +26,12 @@ import t4r_factories as factories
 from merlin_t4r_ops import InvalidRequestError, PredictT4RPyTorch, T4ROpsError
 from merlin_t4r_ops.errors import SessionLengthError
 from merlin_t4r_ops.ops.inputs import input_specs, to_model_inputs
-from merlin_t4r_ops.sequence import crop_and_pad, resolve_sequence_length
+from merlin_t4r_ops.sequence import (
+    crop_and_pad,
+    crop_and_pad_rows,
+    pad_sessions,
+    resolve_sequence_length,
+)
 from merlin_t4r_ops.training import DistributedState, Trainer, make_loader, resolve_strategy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_scripts"))
@@ -148,6 +153,32 @@ def test_crop_and_pad_gives_torch_for_torch_and_numpy_for_numpy():
     assert isinstance(padded, torch.Tensor) and padded.tolist() == expected
     embeddings = crop_and_pad(torch.arange(30.0).reshape(15, 2), lengths, 2)
     assert embeddings.shape == (3, 2, 2) and embeddings[2].tolist() == [[26, 27], [28, 29]]
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "torch-bfloat16"])
+def test_crop_and_pad_keeps_the_rule_on_random_sessions(kind):
+    """Empty, short, exact and long rows, ragged and right-padded, against the obvious way."""
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(0, 3 * WIDTH, 200)
+    lengths[:3] = [0, WIDTH, WIDTH + 1]
+    rows = [list(rng.integers(1, 256, n)) for n in lengths]  # exact in bfloat16
+    n = int(lengths.max())
+    matrix = np.array([row + [0] * (n - len(row)) for row in rows])
+    values = np.concatenate(rows)
+    if kind != "numpy":
+        dtype = torch.bfloat16 if kind == "torch-bfloat16" else torch.int64
+        values, matrix = torch.tensor(values, dtype=dtype), torch.tensor(matrix, dtype=dtype)
+    expected = _most_recent(rows, WIDTH)
+    assert _as_ints(crop_and_pad(values, lengths, WIDTH)) == expected
+    assert _as_ints(crop_and_pad_rows(matrix, lengths, WIDTH)) == expected
+    id_columns = [] if kind == "torch-bfloat16" else ["padded"]  # ids are never bfloat16
+    padded = pad_sessions({"ragged": (values, lengths), "padded": (matrix, None)}, WIDTH,
+                          id_columns)
+    assert _as_ints(padded["ragged"]) == _as_ints(padded["padded"]) == expected
+
+
+def _as_ints(padded):
+    return padded.to(torch.int64).tolist() if isinstance(padded, torch.Tensor) else padded.tolist()
 
 
 # ---- the width: model, input block, transformer config, schema ------------------------------
