@@ -15,7 +15,8 @@ Paths (``benchmarks/training_paths.py``):
 * ``cached``: the same bare loop over batches already on the device: the model's own pace;
 * optional: ``fit-compile``, ``fit-bf16-compile`` (``compile=True``), ``cached-fused``
   (``Adam(fused=True)``), ``trainer-no-nan-filter`` (our Trainer with Hugging Face's
-  ``logging_nan_inf_filter=False``: no read of each step's loss).
+  ``logging_nan_inf_filter=False``: no read of each step's loss), ``trainer-fused`` (our
+  Trainer with ``optim="adamw_torch_fused"`` in place of Hugging Face 4.30's ``adamw_hf``).
 
 The table gives the best samples/s of the rounds, the ratio to T4R's Trainer and to
 ``cached``, and the GPU's mean utilisation over the timed steps (NVML, sampled every

@@ -343,6 +343,9 @@ PATHS: Dict[str, Callable[[Setting, StepClock], None]] = {
     "trainer": run_our_trainer,
     # Hugging Face's default logging_nan_inf_filter reads each step's loss: a host sync a step.
     "trainer-no-nan-filter": _our_trainer_runner(logging_nan_inf_filter=False),
+    # Hugging Face 4.30's default optim, "adamw_hf", steps each parameter in a Python loop
+    # (7 kernels a parameter); torch's fused AdamW steps them all in one launch.
+    "trainer-fused": _our_trainer_runner(optim="adamw_torch_fused"),
     "fit": _fit_runner(),
     "fit-fp16": _fit_runner(amp=True),
     "fit-bf16": _fit_runner(amp="bf16"),
