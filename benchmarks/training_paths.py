@@ -346,6 +346,11 @@ PATHS: Dict[str, Callable[[Setting, StepClock], None]] = {
     # Hugging Face 4.30's default optim, "adamw_hf", steps each parameter in a Python loop
     # (7 kernels a parameter); torch's fused AdamW steps them all in one launch.
     "trainer-fused": _our_trainer_runner(optim="adamw_torch_fused"),
+    "trainer-fused-no-nan-filter": _our_trainer_runner(optim="adamw_torch_fused",
+                                                       logging_nan_inf_filter=False),
+    # ... and no gradient clipping (Hugging Face's max_grad_norm=1.0): fit's computation.
+    "trainer-as-fit": _our_trainer_runner(optim="adamw_torch_fused", logging_nan_inf_filter=False,
+                                          max_grad_norm=0.0),
     "fit": _fit_runner(),
     "fit-fp16": _fit_runner(amp=True),
     "fit-bf16": _fit_runner(amp="bf16"),
