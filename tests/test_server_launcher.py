@@ -126,7 +126,10 @@ def _alive(pid):
 
 
 def _port_is_free(port):
+    """Whether a new server could listen there: SO_REUSEADDR, as servers bind, so that the
+    killed server's closed connections (TIME_WAIT, 60 s) do not count; a listener still does."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
