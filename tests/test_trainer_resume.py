@@ -52,6 +52,9 @@ def test_resumed_trainer_ends_on_the_uninterrupted_weights(uninterrupted, checkp
     frame, out, expected = uninterrupted
     weights, steps = run(frame, tmp_path, model_seed=7, resume=str(out / checkpoint))
     assert steps == 20
+    # Checkpoints save the user's arguments, not the resumed loop's (our own test's file).
+    saved = torch.load(tmp_path / "checkpoint-15" / "training_args.bin", weights_only=False)
+    assert saved.ignore_data_skip is False
     assert weights.keys() == expected.keys()
     for name in expected:
         torch.testing.assert_close(weights[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)

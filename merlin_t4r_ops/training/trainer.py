@@ -31,6 +31,7 @@ loop, the saving/logging guards, and under DDP Hugging Face's
 """
 
 import contextlib
+import copy
 import itertools
 import os
 import weakref
@@ -63,6 +64,7 @@ from merlin_t4r_ops.training.data_parallel import (
     loss_sum_and_count,
     rank_loss,
 )
+from merlin_t4r_ops.training.loss_filter import LoggedLossFilter
 from merlin_t4r_ops.training.metrics import MetricAccumulator, prediction_tasks
 from merlin_t4r_ops.training.policy import data_order_seed, settle_unused_parameters
 from merlin_t4r_ops.training.predictions import check_top_k, gather_to_main, select_top_k
@@ -144,6 +146,7 @@ class Trainer(T4RTrainer):
         self._loaders = weakref.WeakSet()  # closed when train() returns, see train()
         self._resume_from = None  # the checkpoint train() resumes from, while it runs
         self._frozen = {}  # parameters frozen for DDP while train() runs, see _wrap_model
+        self._loss_filter = None  # Hugging Face's NaN/Inf loss filter, see training_step
         super().__init__(model=model, args=args, callbacks=list(callbacks or []), **kwargs)
 
     # ---- data -----------------------------------------------------------------------------
@@ -195,19 +198,49 @@ class Trainer(T4RTrainer):
         mid-epoch) end their reading threads.
         """
         checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
-        ignore_data_skip = self.args.ignore_data_skip
-        if checkpoint is not None and self.train_dataloader is None and not ignore_data_skip:
-            self._resume_from = checkpoint
-            self.args.ignore_data_skip = True  # the loader is placed; Hugging Face skips nothing
+        if checkpoint is not None and self.train_dataloader is None and not self.args.ignore_data_skip:
+            self._resume_from = checkpoint  # the loader is placed; Hugging Face skips nothing
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
-            self.args.ignore_data_skip = ignore_data_skip
             self._resume_from = None
             restore_requires_grad(unwrap_model(self.model), self._frozen)
             self._frozen = {}
             for loader in list(self._loaders):
                 loader.close()
+
+    def _inner_training_loop(self, batch_size=None, args=None, *rest, **kwargs):
+        """Hugging Face's loop, over a copy of ``args`` that differs in two flags.
+
+        The user's ``args`` stay as given (checkpoints save them). In the loop's copy,
+        ``ignore_data_skip`` is on when :meth:`train` placed the loader at the checkpoint,
+        and ``logging_nan_inf_filter`` is off: :meth:`training_step` applies that filter on
+        the device instead (:mod:`~merlin_t4r_ops.training.loss_filter`).
+        """
+        loop_args = copy.copy(args)
+        loop_args.ignore_data_skip = args.ignore_data_skip or self._resume_from is not None
+        loop_args.logging_nan_inf_filter = False
+        self._loss_filter = LoggedLossFilter() if args.logging_nan_inf_filter else None
+        try:
+            return super()._inner_training_loop(batch_size, loop_args, *rest, **kwargs)
+        finally:
+            self._loss_filter = None
+
+    def training_step(self, model, inputs):
+        """Hugging Face's step, returning the loss its NaN/Inf filter would add, without a sync.
+
+        Hugging Face reads every step's loss on the host to drop a NaN or Inf one, which
+        keeps the next batch's loading from overlapping the GPU's backward.
+        """
+        loss = super().training_step(model, inputs)
+        if self._loss_filter is None:
+            return loss
+        return self._loss_filter(loss, self.state.global_step - self._globalstep_last_logged)
+
+    def _maybe_log_save_evaluate(self, tr_loss, *args, **kwargs):
+        if self.control.should_log and self._loss_filter is not None:
+            self._loss_filter.reset()  # Hugging Face logs tr_loss and zeroes it
+        return super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
 
     def get_train_dataloader(self):
         """Train loader: shuffled and balanced by rows every epoch; user-given loaders as is."""
