@@ -167,6 +167,11 @@ def _gather_index(ends: np.ndarray, lengths: np.ndarray, width: int) -> np.ndarr
     return index
 
 
+def _ragged_index(lengths: np.ndarray, width: int) -> np.ndarray:
+    """:func:`_gather_index` for rows stored one after another (Merlin's ``__values``)."""
+    return _gather_index(np.cumsum(lengths), lengths, width)
+
+
 def _take_padded(values, index: np.ndarray):
     """``values[index]`` where index -1 reads a zero: one gather, no boolean masks.
 
@@ -208,7 +213,7 @@ def crop_and_pad(values, lengths, width: int):
         Of the same kind, dtype and device as ``values``.
     """
     lengths = _on_host(lengths).astype(np.int64, copy=False)
-    return _take_padded(values, _gather_index(np.cumsum(lengths), lengths, width))
+    return _take_padded(values, _ragged_index(lengths, width))
 
 
 def unpad_rows(matrix, lengths):
@@ -325,7 +330,7 @@ def pad_sessions(lists: Mapping, width: int, id_columns: Iterable[str]) -> dict:
     for name, (values, lengths) in lists.items():
         if lengths is not None:  # ragged: session holds these lengths, already on the host
             if ragged_index is None:  # the same for every ragged column: made once
-                ragged_index = _gather_index(np.cumsum(session), session, width)
+                ragged_index = _ragged_index(session, width)
             padded[name] = _take_padded(values, ragged_index)
         else:
             rows = session if session is not None else np.full(len(values), values.shape[1])
