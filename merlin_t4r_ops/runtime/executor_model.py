@@ -27,7 +27,7 @@ import triton_python_backend_utils as pb_utils
 
 from merlin.systems.dag.runtimes.triton import TritonExecutorRuntime
 from merlin.systems.triton.conversions import (
-    _array_from_triton_tensor,
+    _to_array_lib,
     match_representations,
     tensor_names,
 )
@@ -85,8 +85,10 @@ class TritonPythonModel(MerlinExecutorModel):
                 # Inputs are declared optional (TritonRuntime.adapt_config), so that a missing
                 # one reaches request_rows, which names it in one line; Triton's own refusal
                 # lists every input.
-                sent = {tensor.name() for tensor in request.inputs()}
-                arrays = {name: _array_from_triton_tensor(request, name)
+                # One pass over the request's tensors (get_input_tensor_by_name walks them all
+                # for each name).
+                sent = {tensor.name(): tensor for tensor in request.inputs()}
+                arrays = {name: _to_array_lib(sent[name])
                           for name in self.input_names if name in sent}
                 rows = request_rows(arrays, self.ensemble.input_schema, self.input_names,
                                     batch_dim=self.batch_dim)
