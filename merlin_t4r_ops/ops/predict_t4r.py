@@ -287,8 +287,13 @@ class PredictT4RPyTorch(BaseOperator):
         return (None,)
 
     def _item_id_column(self) -> Optional[str]:
-        names = self._input_schema.select_by_tag(Tags.ITEM_ID).column_names
-        return names[0] if names else None
+        # Asked on every request: found once per input schema.
+        schema, name = self.__dict__.get("_item_id_of_schema") or (None, None)
+        if schema is not self._input_schema:
+            names = self._input_schema.select_by_tag(Tags.ITEM_ID).column_names
+            name = names[0] if names else None
+            self._item_id_of_schema = (self._input_schema, name)
+        return name
 
     def compute_input_schema(
         self,

@@ -104,7 +104,13 @@ def row_groups(rows: Sequence[int], max_rows: Optional[int]) -> List[List[int]]:
 
 
 def concat_requests(requests: Sequence[RequestRows], schema: Schema) -> TensorTable:
-    """One ``TensorTable`` holding the rows of ``requests`` one after the other."""
+    """One ``TensorTable`` holding the rows of ``requests`` one after the other.
+
+    :func:`request_rows` checked each request's offsets, so merlin-core's own check (a
+    Python loop over the rows) is skipped, and one request's arrays are its table.
+    """
+    if len(requests) == 1:
+        return TensorTable(requests[0].arrays, _unsafe=True)
     merged = {}
     for column in schema:
         if column.is_ragged:
@@ -113,7 +119,7 @@ def concat_requests(requests: Sequence[RequestRows], schema: Schema) -> TensorTa
             merged[offsets] = _concat_offsets([r.arrays[offsets] for r in requests])
         else:
             merged[column.name] = np.concatenate([r.arrays[column.name] for r in requests])
-    return TensorTable(merged)
+    return TensorTable(merged, _unsafe=True)
 
 
 def _concat_offsets(parts: List[np.ndarray]) -> np.ndarray:
