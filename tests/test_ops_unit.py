@@ -153,12 +153,3 @@ def test_regression_model_returns_one_score_per_row():
     assert out[name].shape == (6,)
     np.testing.assert_allclose(out[name], factories.eager_scores(model, df).reshape(-1), rtol=1e-6)
 
-
-def test_the_device_follows_the_model_it_is_asked_on():
-    """``device`` is found once per model (asked every request): a move and a new model show."""
-    op = PredictT4RPyTorch(factories.next_item_model())
-    assert op.device == torch.device("cpu")
-    op.model.to("meta")  # Module.to keeps the parameters and moves their data
-    assert op.device == torch.device("meta")
-    op.model = factories.next_item_model()
-    assert op.device == torch.device("cpu")
