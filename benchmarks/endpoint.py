@@ -17,7 +17,11 @@ The ensembles in one tritonserver, measured side by side in one run, rounds alte
                      through its fast path (``merlin_t4r_ops.workflow``), inside the executor
                      model, the graph walked by Merlin's ``LocalExecutor``;
 * ``endpoint-lean``  the same with ``TritonRuntime()``: the three operators run one after the
-                     other (``merlin_t4r_ops.runtime.chain``), no ``LocalExecutor``.
+                     other (``merlin_t4r_ops.runtime.chain``), no ``LocalExecutor``;
+* ``endpoint-batched`` the lean chain exported with ``BatchingTritonRuntime()``: Triton's
+                     dynamic batcher hands the executor the requests queued while it was
+                     busy, whose rows run as one batch (the client sends each request with a
+                     leading batch dimension of 1). Not in the default paths.
 
 Then where the time goes, per batch: the client's encoding (``dataframe_to_inputs``) and
 decoding (``as_numpy``, and ``response_to_dataframe`` as ``infer_dataframe`` does) with
@@ -50,7 +54,9 @@ sys.path.insert(0, str(HERE))
 import serving as bench  # noqa: E402  (adds the tests' factories to sys.path)
 
 PATHS = {"model": "model_alone", "model-lean": "model_lean", "endpoint": "endpoint",
-         "endpoint-fast": "endpoint_fast", "endpoint-lean": "endpoint_lean"}
+         "endpoint-fast": "endpoint_fast", "endpoint-lean": "endpoint_lean",
+         "endpoint-batched": "endpoint_batched"}
+BATCHED = ("endpoint-batched",)  # exported with BatchingTritonRuntime: requests carry a batch dim
 ENCODED = ("model", "model-lean")  # the paths that take encoded sessions, not raw ones
 IN_PROCESS = "in process"  # the endpoint's graph, built but not exported: its ops' stages
 _CHAINS = {}
@@ -140,7 +146,7 @@ def export(workflow, model, args, device, path):
     from merlin.systems.dag.ops.workflow import TransformWorkflow
 
     from merlin_t4r_ops import DecodeItemIds, PredictT4RPyTorch
-    from merlin_t4r_ops.runtime import TritonRuntime
+    from merlin_t4r_ops.runtime import BatchingTritonRuntime, TritonRuntime
 
     buckets = args.buckets if device.type == "cuda" else None
 
@@ -165,6 +171,8 @@ def export(workflow, model, args, device, path):
             continue
         ensembles[name] = endpoint()
         runtime = TritonRuntime(**RUNTIMES[name]) if name in RUNTIMES else None
+        if name in BATCHED:
+            runtime = BatchingTritonRuntime()
         ensembles[name].export(path, name=PATHS[name], runtime=runtime)
     return ensembles
 
@@ -270,7 +278,8 @@ def run(args):
                 frames = {path: encoded if path in ENCODED else raw for path in args.paths}
                 makers = {path: bench.triton_calls(
                     PATHS[path], ensembles[path].output_schema.column_names, frames[path],
-                    specs[path], server, prepared=True) for path in args.paths}
+                    specs[path], server, prepared=True, batch_dimension=path in BATCHED)
+                    for path in args.paths}
                 for make in makers.values():  # cold first requests stay out of the statistics
                     call = make()
                     for _ in range(3):
@@ -290,7 +299,8 @@ def run(args):
                     for path in args.paths[1:]:
                         ratios.append((path, batch, concurrency,
                                        cells[path]["p50_ms"] / cells["model"]["p50_ms"]))
-                    raw_paths = [path for path in args.paths if path not in ENCODED]
+                    # The stages are those of a raw path whose requests have no batch dim.
+                    raw_paths = [path for path in args.paths if path not in ENCODED + BATCHED]
                     if concurrency == 1 and raw_paths:
                         last = raw_paths[-1]
                         local = in_process_stages(workflow, raw, encoded, ensembles,
