@@ -96,7 +96,8 @@ def test_cli_serves_in_the_foreground_until_interrupted(small_repository):
     import tritonclient.grpc as grpcclient
 
     _, path = small_repository
-    port, http = free_port(), free_port()
+    port = free_port()
+    http = free_port(avoid={port})
     process = subprocess.Popen(
         [shutil.which("merlin-t4r-serve"), str(path), "--grpc-port", str(port),
          "--http-port", str(http)],
@@ -220,3 +221,13 @@ def test_merlins_launcher_works_from_a_venv_that_is_not_activated(small_reposito
     done = subprocess.run([sys.executable, "-c", script], env=environ, capture_output=True,
                           text=True, timeout=400)
     assert "ready True" in done.stdout, done.stderr[-3000:]
+
+
+def test_free_port_never_gives_a_port_to_avoid():
+    """The OS may hand a just-released port out again: a server's HTTP and metrics ports came
+    out equal once in CI, and tritonserver refused to start."""
+    taken = set()
+    for _ in range(50):
+        port = free_port(avoid=taken)
+        assert port not in taken
+        taken.add(port)

@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Collection, Dict, Iterator, List, Optional
 
 import psutil
 
@@ -31,11 +31,18 @@ __all__ = ["TritonServer", "triton_server", "server_command", "free_port"]
 LOGGER = logging.getLogger(__name__)
 
 
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def free_port(host: str = LOOPBACK, avoid: Collection[int] = ()) -> int:
+    """A TCP port that nothing listens on right now, and none of ``avoid``.
+
+    The OS may hand a port it just handed out (and saw released) again: a server's HTTP and
+    metrics ports came out equal once, and tritonserver refused to start.
+    """
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port not in avoid:
+            return port
 
 
 def server_command(
@@ -212,9 +219,9 @@ def start_server(
     """
     if not Path(model_repository).is_dir():
         raise ServerStartError(f"model_repository {model_repository!r} is not a directory")
-    grpc_port = grpc_port or free_port(host)
-    http_port = http_port or free_port(host)
-    metrics_port = free_port()
+    grpc_port = grpc_port or free_port(host, avoid={http_port})
+    http_port = http_port or free_port(host, avoid={grpc_port})
+    metrics_port = free_port(avoid={grpc_port, http_port})
     command = server_command(
         model_repository, host=host, grpc_port=grpc_port, http_port=http_port,
         metrics_port=metrics_port, extra_args=extra_args,
