@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from transformers import Trainer as HuggingFaceTrainer
 from transformers import TrainerCallback
 
 import t4r_training_factories as factories
@@ -102,3 +103,48 @@ def test_the_trainer_filters_on_the_device_and_keeps_the_users_arguments(tmp_pat
     # Finite losses: both add each step's loss, in the same order.
     assert filtered.training_loss == unfiltered.training_loss
     assert [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+class NonFiniteAtSomeSteps(Trainer):
+    """Logs a NaN, Inf or -Inf loss at some micro-steps; its gradients stay the true ones."""
+
+    BAD = {2: math.nan, 5: math.inf, 9: -math.inf}
+
+    def compute_loss(self, model, inputs, return_outputs=False):
+        loss = super().compute_loss(model, inputs, return_outputs)
+        self.calls = getattr(self, "calls", 0) + 1
+        bad = self.BAD.get(self.calls)
+        return loss if bad is None else loss + torch.tensor(bad)  # a constant: same gradients
+
+
+class OwnTrainingStep(NonFiniteAtSomeSteps):
+    """A subclass that replaces the step (ours bypassed): Hugging Face's own check runs."""
+
+    def training_step(self, model, inputs):
+        return HuggingFaceTrainer.training_step(self, model, inputs)
+
+
+def logged(trainer_class, out, frame):
+    loop = LoopArgs()
+    trainer = trainer_class(
+        model=factories.testing_model("clm"),
+        args=make_args(str(out), max_sequence_length=factories.TESTING_MAX_LEN,
+                       num_train_epochs=1, gradient_accumulation_steps=2, logging_steps=2),
+        strategy="single",
+        schema=factories.testing_schema(),
+        train_dataset_or_path=factories.testing_dataset(frame),
+        callbacks=[loop],
+    )
+    output = trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], output, loop.seen
+
+
+def test_non_finite_losses_are_logged_as_hugging_faces_own_check_logs_them(tmp_path):
+    """10 micro-steps, 2 a step, a log every 2 steps; NaN, Inf and -Inf in three of them."""
+    frame = factories.testing_frame().iloc[:160]
+    on_device, device_output, device_seen = logged(NonFiniteAtSomeSteps, tmp_path / "a", frame)
+    on_host, host_output, host_seen = logged(OwnTrainingStep, tmp_path / "b", frame)
+    assert device_seen == {(False, False)} and host_seen == {(True, False)}
+    assert on_device == on_host and all(math.isfinite(x) for x in on_device), (on_device, on_host)
+    assert device_output.training_loss == host_output.training_loss
+    assert math.isfinite(device_output.training_loss)

@@ -198,7 +198,8 @@ class Trainer(T4RTrainer):
         mid-epoch) end their reading threads.
         """
         checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
-        if checkpoint is not None and self.train_dataloader is None and not self.args.ignore_data_skip:
+        placeable = self.train_dataloader is None and not self.args.ignore_data_skip
+        if checkpoint is not None and placeable:
             self._resume_from = checkpoint  # the loader is placed; Hugging Face skips nothing
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
@@ -212,15 +213,19 @@ class Trainer(T4RTrainer):
     def _inner_training_loop(self, batch_size=None, args=None, *rest, **kwargs):
         """Hugging Face's loop, over a copy of ``args`` that differs in two flags.
 
-        The user's ``args`` stay as given (checkpoints save them). In the loop's copy,
-        ``ignore_data_skip`` is on when :meth:`train` placed the loader at the checkpoint,
-        and ``logging_nan_inf_filter`` is off: :meth:`training_step` applies that filter on
-        the device instead (:mod:`~merlin_t4r_ops.training.loss_filter`).
+        The user's ``args`` stay as given (checkpoints save them); the callbacks of the loop's
+        own events (``on_step_end``, ...) get the copy, as Hugging Face passes them the loop's
+        ``args``. In the copy, ``ignore_data_skip`` is on when :meth:`train` placed the loader
+        at the checkpoint, and ``logging_nan_inf_filter`` is off when :meth:`training_step`
+        applies that filter on the device (:mod:`~merlin_t4r_ops.training.loss_filter`): not
+        for a subclass that replaces ``training_step``, which keeps Hugging Face's check.
         """
         loop_args = copy.copy(args)
         loop_args.ignore_data_skip = args.ignore_data_skip or self._resume_from is not None
-        loop_args.logging_nan_inf_filter = False
-        self._loss_filter = LoggedLossFilter() if args.logging_nan_inf_filter else None
+        on_device = (args.logging_nan_inf_filter
+                     and type(self).training_step is Trainer.training_step)
+        loop_args.logging_nan_inf_filter = args.logging_nan_inf_filter and not on_device
+        self._loss_filter = LoggedLossFilter() if on_device else None
         try:
             return super()._inner_training_loop(batch_size, loop_args, *rest, **kwargs)
         finally:
