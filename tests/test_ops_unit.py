@@ -152,4 +152,3 @@ def test_regression_model_returns_one_score_per_row():
     (name,) = out
     assert out[name].shape == (6,)
     np.testing.assert_allclose(out[name], factories.eager_scores(model, df).reshape(-1), rtol=1e-6)
-

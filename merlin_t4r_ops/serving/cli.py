@@ -48,8 +48,8 @@ def serve_main(argv=None) -> None:
     args, extra = parser.parse_known_args(argv)
     if not os.path.isdir(args.model_repository):
         parser.error(f"MODEL_REPOSITORY {args.model_repository!r} is not a directory")
-    grpc_port = args.grpc_port or free_port(args.host, avoid={args.http_port})
-    http_port = args.http_port or free_port(args.host, avoid={grpc_port})
+    grpc_port = args.grpc_port or free_port(args.host, avoid={args.http_port, args.metrics_port})
+    http_port = args.http_port or free_port(args.host, avoid={grpc_port, args.metrics_port})
     metrics_port = args.metrics_port or free_port(avoid={grpc_port, http_port})
     command = server_command(args.model_repository, host=args.host, grpc_port=grpc_port,
                              http_port=http_port, metrics_port=metrics_port, extra_args=extra)
