@@ -17,7 +17,7 @@ from merlin_t4r_ops.serving.binding import (
     has_flag,
     warn_for_addresses,
 )
-from merlin_t4r_ops.serving.server import free_port, server_command
+from merlin_t4r_ops.serving.server import server_command, server_ports
 from merlin_t4r_ops.serving.triton_env import (
     backend_directory,
     server_environment,
@@ -48,9 +48,8 @@ def serve_main(argv=None) -> None:
     args, extra = parser.parse_known_args(argv)
     if not os.path.isdir(args.model_repository):
         parser.error(f"MODEL_REPOSITORY {args.model_repository!r} is not a directory")
-    grpc_port = args.grpc_port or free_port(args.host, avoid={args.http_port, args.metrics_port})
-    http_port = args.http_port or free_port(args.host, avoid={grpc_port, args.metrics_port})
-    metrics_port = args.metrics_port or free_port(avoid={grpc_port, http_port})
+    grpc_port, http_port, metrics_port = server_ports(
+        args.host, args.grpc_port, args.http_port, args.metrics_port)
     command = server_command(args.model_repository, host=args.host, grpc_port=grpc_port,
                              http_port=http_port, metrics_port=metrics_port, extra_args=extra)
     print(f"merlin-t4r-serve: gRPC on {args.host}:{grpc_port}, "

@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Collection, Dict, Iterator, List, Optional
+from typing import Collection, Dict, Iterator, List, Optional, Tuple
 
 import psutil
 
@@ -26,7 +26,7 @@ from merlin_t4r_ops.serving.triton_env import (
     tritonserver_executable,
 )
 
-__all__ = ["TritonServer", "triton_server", "server_command", "free_port"]
+__all__ = ["TritonServer", "triton_server", "server_command", "server_ports", "free_port"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -43,6 +43,17 @@ def free_port(host: str = LOOPBACK, avoid: Collection[int] = ()) -> int:
             port = sock.getsockname()[1]
         if port not in avoid:
             return port
+
+
+def server_ports(host: str, grpc_port: Optional[int] = None, http_port: Optional[int] = None,
+                 metrics_port: Optional[int] = None) -> Tuple[int, int, int]:
+    """``(grpc, http, metrics)``: the given ports, and free ones, all distinct, for the rest
+    (gRPC and HTTP on ``host``, metrics on loopback)."""
+    given = {grpc_port, http_port, metrics_port}
+    grpc_port = grpc_port or free_port(host, avoid=given)
+    http_port = http_port or free_port(host, avoid=given | {grpc_port})
+    metrics_port = metrics_port or free_port(avoid={grpc_port, http_port})
+    return grpc_port, http_port, metrics_port
 
 
 def server_command(
@@ -219,9 +230,7 @@ def start_server(
     """
     if not Path(model_repository).is_dir():
         raise ServerStartError(f"model_repository {model_repository!r} is not a directory")
-    grpc_port = grpc_port or free_port(host, avoid={http_port})
-    http_port = http_port or free_port(host, avoid={grpc_port})
-    metrics_port = free_port(avoid={grpc_port, http_port})
+    grpc_port, http_port, metrics_port = server_ports(host, grpc_port, http_port)
     command = server_command(
         model_repository, host=host, grpc_port=grpc_port, http_port=http_port,
         metrics_port=metrics_port, extra_args=extra_args,
