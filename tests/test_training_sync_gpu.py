@@ -29,23 +29,26 @@ pytestmark = [
 ]
 
 
+def syncs_from(files, run) -> int:
+    """Waits for the device that lines of ``files`` make in ``run()``, after one warm run."""
+    run()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum(1 for w in caught if "synchroniz" in str(w.message) and w.filename.endswith(files))
+
+
 def syncs_in_fit(rows: int, **options) -> int:
     """Waits for the device that fit.py's own lines make in one epoch over ``rows`` rows."""
     state = DistributedState("single", 0, 0, 1, torch.device("cuda:0"), "one GPU")
     data = factories.testing_dataset(factories.testing_frame().iloc[:rows], 4)
     model = factories.testing_model("clm")
-    fit(model, data, epochs=1, batch_size=32, strategy=state, seed=0, progress=False,
-        **options)  # warm
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fit(model, data, epochs=1, batch_size=32, strategy=state, seed=0, progress=False,
-                **options)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    fit_py = os.path.join("training", "fit.py")
-    return sum(1 for w in caught if "synchroniz" in str(w.message) and w.filename.endswith(fit_py))
+    return syncs_from((os.path.join("training", "fit.py"),), lambda: fit(
+        model, data, epochs=1, batch_size=32, strategy=state, seed=0, progress=False, **options))
 
 
 def test_the_training_loop_does_not_wait_for_the_gpu_every_step():
@@ -68,16 +71,8 @@ def syncs_in_trainer_train(rows: int, out) -> int:
         schema=factories.testing_schema(),
         train_dataset_or_path=factories.testing_dataset(factories.testing_frame().iloc[:rows], 4),
     )
-    trainer.train()  # warm
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            trainer.train()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
     ours = (os.path.join("transformers", "trainer.py"), os.path.join("training", "trainer.py"))
-    return sum(1 for w in caught if "synchroniz" in str(w.message) and w.filename.endswith(ours))
+    return syncs_from(ours, trainer.train)
 
 
 def test_the_trainer_does_not_wait_for_the_gpu_every_step(tmp_path):
