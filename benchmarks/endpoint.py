@@ -60,7 +60,8 @@ BATCHED = ("endpoint-batched",)  # exported with BatchingTritonRuntime: requests
 ENCODED = ("model", "model-lean")  # the paths that take encoded sessions, not raw ones
 IN_PROCESS = "in process"  # the endpoint's graph, built but not exported: its ops' stages
 _CHAINS = {}
-RUNTIMES = {"endpoint-fast": dict(lean_chain=False), "endpoint-lean": dict(lean_chain=True)}
+RUNTIMES = {"endpoint-fast": dict(lean_chain=False), "endpoint-lean": dict(lean_chain=True),
+            "endpoint-batched": dict(lean_chain=True)}
 CATEGORIES = 100
 
 
@@ -170,9 +171,8 @@ def export(workflow, model, args, device, path):
             ensembles[name].export(path, name=PATHS[name], runtime=TritonRuntime())
             continue
         ensembles[name] = endpoint()
-        runtime = TritonRuntime(**RUNTIMES[name]) if name in RUNTIMES else None
-        if name in BATCHED:
-            runtime = BatchingTritonRuntime()
+        runtime_class = BatchingTritonRuntime if name in BATCHED else TritonRuntime
+        runtime = runtime_class(**RUNTIMES[name]) if name in RUNTIMES else None
         ensembles[name].export(path, name=PATHS[name], runtime=runtime)
     return ensembles
 
