@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from transformers import EarlyStoppingCallback
+from transformers import EarlyStoppingCallback, TrainerCallback
 from transformers4rec.torch import Trainer as T4RTrainer
 
 import t4r_training_factories as factories
@@ -197,3 +197,40 @@ def test_evaluate_logs_predictions_like_transformers4rec(sessions, tmp_path):
                                    rtol=1e-5, atol=1e-6)
         assert our_call["pred_item_scores"].dtype == np.float32
         assert set(our_call["metrics"]) == set(their_call["metrics"])
+
+
+# ---- train(): the arguments the loop leaves and the trackers record ---------------------------
+
+
+class RecordsArguments(TrainerCallback):
+    """What a tracker records of the run's arguments (W&B and MLflow call ``args.to_dict()``)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.recorded = args.to_dict()
+
+
+def _trained_arguments(trainer_class, sessions, out):
+    tracker = RecordsArguments()
+    args = make_args(str(out), logging_steps=0.5, save_steps=0.25)
+    trainer = trainer_class(model=make_model(make_schema(), seed=0), args=args,
+                            schema=make_schema(), train_dataset_or_path=sessions["train"],
+                            callbacks=[tracker], **extra_for(trainer_class))
+    trainer.train()
+    paths = ("output_dir", "logging_dir", "run_name")  # run_name defaults to output_dir
+    recorded = {k: v for k, v in tracker.recorded.items() if k not in paths}
+    return trainer.args, recorded
+
+
+def extra_for(trainer_class):
+    return {"strategy": "single"} if trainer_class is Trainer else {}
+
+
+def test_train_leaves_and_records_the_arguments_as_t4rs_trainer_does(sessions, tmp_path):
+    """Fractional logging and save steps become step counts in the user's arguments, and
+    trackers record the user's ``logging_nan_inf_filter`` (the loop's own flags stay inside)."""
+    ours, our_record = _trained_arguments(Trainer, sessions, tmp_path / "ours")
+    theirs, their_record = _trained_arguments(T4RTrainer, sessions, tmp_path / "theirs")
+    assert (ours.logging_steps, ours.save_steps) == (theirs.logging_steps, theirs.save_steps)
+    assert isinstance(ours.logging_steps, int) and ours.logging_steps >= 1
+    assert our_record == their_record
+    assert our_record["logging_nan_inf_filter"] is True

@@ -31,7 +31,6 @@ loop, the saving/logging guards, and under DDP Hugging Face's
 """
 
 import contextlib
-import copy
 import itertools
 import os
 import weakref
@@ -64,6 +63,7 @@ from merlin_t4r_ops.training.data_parallel import (
     loss_sum_and_count,
     rank_loss,
 )
+from merlin_t4r_ops.training.loop_args import loop_view
 from merlin_t4r_ops.training.loss_filter import LoggedLossFilter
 from merlin_t4r_ops.training.metrics import MetricAccumulator, prediction_tasks
 from merlin_t4r_ops.training.policy import data_order_seed, settle_unused_parameters
@@ -211,20 +211,22 @@ class Trainer(T4RTrainer):
                 loader.close()
 
     def _inner_training_loop(self, batch_size=None, args=None, *rest, **kwargs):
-        """Hugging Face's loop, over a copy of ``args`` that differs in two flags.
+        """Hugging Face's loop, over ``args`` with two flags of its own (:func:`loop_view`).
 
-        The user's ``args`` stay as given (checkpoints save them); the callbacks of the loop's
-        own events (``on_step_end``, ...) get the copy, as Hugging Face passes them the loop's
-        ``args``. In the copy, ``ignore_data_skip`` is on when :meth:`train` placed the loader
-        at the checkpoint, and ``logging_nan_inf_filter`` is off when :meth:`training_step`
-        applies that filter on the device (:mod:`~merlin_t4r_ops.training.loss_filter`): not
-        for a subclass that replaces ``training_step``, which keeps Hugging Face's check.
+        What the loop writes (fractional ``logging_steps`` made step counts) lands in the
+        user's ``args``, which checkpoints save, and trackers record the user's flags. The
+        loop reads ``ignore_data_skip`` on when :meth:`train` placed the loader at the
+        checkpoint, and ``logging_nan_inf_filter`` off when :meth:`training_step` applies
+        that filter on the device (:mod:`~merlin_t4r_ops.training.loss_filter`): not for a
+        subclass that replaces ``training_step``, which keeps Hugging Face's check.
         """
-        loop_args = copy.copy(args)
-        loop_args.ignore_data_skip = args.ignore_data_skip or self._resume_from is not None
         on_device = (args.logging_nan_inf_filter
                      and type(self).training_step is Trainer.training_step)
-        loop_args.logging_nan_inf_filter = args.logging_nan_inf_filter and not on_device
+        loop_args = loop_view(
+            args,
+            ignore_data_skip=args.ignore_data_skip or self._resume_from is not None,
+            logging_nan_inf_filter=args.logging_nan_inf_filter and not on_device,
+        )
         self._loss_filter = LoggedLossFilter() if on_device else None
         try:
             return super()._inner_training_loop(batch_size, loop_args, *rest, **kwargs)
