@@ -23,9 +23,10 @@ The ensembles in one tritonserver, measured side by side in one run, rounds alte
                      busy, whose rows run as one batch (the client sends each request with a
                      leading batch dimension of 1).
 
-Then where the time goes, per batch: the client's encoding (``dataframe_to_inputs``, and
-``arrays_to_inputs`` for a client that holds flat arrays) and decoding (``as_numpy``, and
-``response_to_dataframe`` as ``infer_dataframe`` does) with their share of the lean call,
+Then where the time goes, per batch: the client's encoding and decoding as
+``infer_dataframe`` does them (``dataframe_to_inputs``, ``response_to_dataframe``) and as
+``infer_arrays`` does them for a client that holds flat arrays (``checked_arrays`` and
+``arrays_to_inputs``, ``response_arrays``), with their share of the lean call,
 each stage of the graph in process (NVTabular's ``Workflow._transform_df``, the fast path,
 the operator with masking, ``DecodeItemIds``, the whole graph through ``LocalExecutor`` and
 through the lean chain), and Triton's per-model statistics (``compute_infer`` of each
@@ -196,7 +197,8 @@ def in_process_stages(workflow, raw, encoded, ensembles, dtypes, server, repeats
 
     from merlin_t4r_ops.runtime.chain import lean_chain
     from merlin_t4r_ops.serving.client import (
-        arrays_to_inputs, dataframe_arrays, dataframe_to_inputs, response_to_dataframe)
+        arrays_to_inputs, checked_arrays, dataframe_arrays, dataframe_to_inputs, model_spec,
+        response_arrays, response_to_dataframe)
     from merlin_t4r_ops.workflow import compile_workflow
 
     endpoint = args_paths[-1]  # the client's stages read this path's answer
@@ -211,9 +213,11 @@ def in_process_stages(workflow, raw, encoded, ensembles, dtypes, server, repeats
     result = server.client().infer(PATHS[endpoint], dataframe_to_inputs(raw, dtypes),
                                    outputs=[grpcclient.InferRequestedOutput(o) for o in outputs])
     raw_arrays = dataframe_arrays(raw, dtypes)
+    spec = model_spec(server.client(), PATHS[endpoint])
     stages = {
         "client encode": p50_ms(lambda: dataframe_to_inputs(raw, dtypes), repeats),
-        "client encode from arrays": p50_ms(lambda: arrays_to_inputs(raw_arrays), repeats),
+        "client encode from arrays": p50_ms(lambda: arrays_to_inputs(
+            checked_arrays(raw_arrays, spec.dtypes, spec.shapes)), repeats),
         "workflow, NVTabular": p50_ms(lambda: workflow._transform_df(raw_table.to_df()), repeats),
     }
     if "endpoint-fast" in ensembles or "endpoint-lean" in ensembles:
@@ -236,7 +240,7 @@ def in_process_stages(workflow, raw, encoded, ensembles, dtypes, server, repeats
                                        repeats),
         "decode": p50_ms(lambda: decode_op.transform(ColumnSelector(list(top_k.columns)),
                                                      top_k), repeats),
-        "client decode": p50_ms(lambda: [result.as_numpy(o) for o in outputs], repeats),
+        "client decode to arrays": p50_ms(lambda: response_arrays(result, outputs), repeats),
         "client decode to a DataFrame": p50_ms(
             lambda: response_to_dataframe(result, outputs), repeats),
     }
@@ -328,10 +332,10 @@ def stage_tables(stages):
                 "| stage | ms |", "|---|---:|"]
         rows += [f"| {stage} | {ms:.3f} |" for stage, ms in local.items()]
         client = local["client encode"] + local["client decode to a DataFrame"]
-        arrays = local["client encode from arrays"] + local["client decode"]
+        arrays = local["client encode from arrays"] + local["client decode to arrays"]
         rows += ["", f"Client encode + decode to a DataFrame: {client:.3f} ms, "
                      f"{100 * client / call_ms:.1f}% of the {path} call's p50 ({call_ms:.2f} ms)",
-                 "", f"Client encode + decode from and to arrays: {arrays:.3f} ms, "
+                 "", f"Client encode + decode from and to arrays (infer_arrays): {arrays:.3f} ms, "
                      f"{100 * arrays / call_ms:.1f}% of it"]
         rows += ["", f"Batch {batch}: Triton, mean ms per request", "",
                  "| model | request (success) | compute_infer |", "|---|---:|---:|"]

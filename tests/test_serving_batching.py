@@ -16,7 +16,8 @@ from tritonclient.utils import InferenceServerException
 
 import t4r_factories as factories
 from conftest import BATCHED_MODEL, BATCHED_WORKFLOW, TOP_K
-from merlin_t4r_ops.serving.client import arrays_to_inputs, dataframe_arrays, infer_dataframe
+from merlin_t4r_ops.serving.client import (
+    arrays_to_inputs, dataframe_arrays, infer_arrays, infer_dataframe)
 from merlin_t4r_ops.serving.statistics import counts, counts_since
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -223,3 +224,12 @@ def test_a_workflow_ensemble_answers_zero_rows_with_its_declared_columns(client,
     _, _, raw = session_workflow
     got = infer_dataframe(client, raw.head(0), model_name=BATCHED_WORKFLOW)
     assert set(got.columns) == {"item_ids", "item_id_scores"} and len(got) == 0
+
+
+def test_arrays_reach_the_batched_model_without_its_batch_dimension(client, served_models):
+    df = factories.random_sessions(4, np.random.default_rng(32))
+    got = infer_arrays(client, dataframe_arrays(df, DTYPES), model_name=BATCHED_MODEL)
+    assert got["next-item"].shape == (4, factories.ITEMS)  # the request's batch entry dropped
+    np.testing.assert_allclose(got["next-item"],
+                               factories.eager_scores(served_models["next_item_full"], df),
+                               rtol=RTOL, atol=ATOL)

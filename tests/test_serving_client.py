@@ -1,4 +1,4 @@
-"""``infer_dataframe`` and friends: what a DataFrame may hold, what comes back, how many RPCs."""
+"""``infer_dataframe``, ``infer_arrays`` and friends: what a DataFrame may hold, what comes back, how many RPCs."""
 
 import numpy as np
 import pandas as pd
@@ -6,7 +6,7 @@ import pytest
 
 import t4r_factories as factories
 from merlin_t4r_ops.errors import InvalidRequestError
-from merlin_t4r_ops.serving.client import dataframe_arrays, infer_dataframe
+from merlin_t4r_ops.serving.client import dataframe_arrays, infer_arrays, infer_dataframe
 
 DTYPES = {"item_id-list__values": np.int64, "item_id-list__offsets": np.int32,
           "category-list__values": np.int64, "category-list__offsets": np.int32,
@@ -99,3 +99,54 @@ def test_a_dtypes_name_the_model_does_not_declare_is_refused_naming_it(client, e
                              r"'price-list__values'\]$"):
         infer_dataframe(client, df, model_name="next_item_full",
                         dtypes={**DTYPES, extra: np.int64})
+
+
+# ---- infer_arrays: flat arrays in, arrays out ----------------------------------------------------
+
+
+@pytest.mark.parametrize("model_name, output", [("next_item_full", "next-item"),
+                                                ("next_item_top1", "item_ids")])
+def test_arrays_answer_what_the_dataframe_answers(client, model_name, output):
+    df = _sessions(rows=5, seed=11)
+    arrays = dataframe_arrays(df, DTYPES)
+    got = infer_arrays(client, arrays, model_name=model_name)
+    expected = infer_dataframe(client, df, model_name=model_name)
+    assert isinstance(got[output], np.ndarray) and len(got[output]) == 5
+    np.testing.assert_array_equal(got[output], np.stack(expected[output]))
+
+
+def test_arrays_of_the_wrong_integer_width_are_cast_as_declared(client):
+    arrays = dataframe_arrays(_sessions(rows=3, seed=12), DTYPES)
+    narrow = {name: (a.astype(np.int32) if a.dtype == np.int64 else a)
+              for name, a in arrays.items()}
+    got = infer_arrays(client, narrow, model_name="next_item_top1")
+    np.testing.assert_array_equal(
+        got["item_ids"], infer_arrays(client, arrays, model_name="next_item_top1")["item_ids"])
+
+
+def test_an_array_the_model_does_not_declare_is_refused_naming_it(client):
+    arrays = {**dataframe_arrays(_sessions(), DTYPES), "session_id": np.arange(3)}
+    with pytest.raises(InvalidRequestError,
+                       match=r"^arrays names 'session_id', which model 'next_item_full' does not "
+                             r"declare; it declares \['category-list__offsets', "):
+        infer_arrays(client, arrays, model_name="next_item_full")
+
+
+def test_a_missing_input_is_refused_naming_it(client):
+    arrays = dataframe_arrays(_sessions(), DTYPES)
+    del arrays["price-list__offsets"]
+    with pytest.raises(InvalidRequestError,
+                       match=r"^arrays lack 'price-list__offsets': model 'next_item_full' takes "
+                             r"\['category-list__offsets', .*the arrays hold \["):
+        infer_arrays(client, arrays, model_name="next_item_full")
+
+
+def test_a_fractional_id_in_flat_values_is_refused_naming_its_session(client):
+    arrays = dataframe_arrays(_sessions(rows=3), DTYPES)
+    values = arrays["item_id-list__values"].astype(float)
+    values[arrays["item_id-list__offsets"][2]] = 4.5  # the third session's first item
+    with pytest.raises(InvalidRequestError,
+                       match=r"column 'item_id-list__values' row 2: expected integer ids "
+                             r"\(int64\), got 4.5"):
+        infer_arrays(client, {**arrays, "item_id-list__values": values},
+                     model_name="next_item_full")

@@ -1,4 +1,5 @@
-"""Send a pandas DataFrame of sessions to an exported ensemble and get a DataFrame back.
+"""Send sessions to an exported ensemble: a pandas DataFrame in and out (``infer_dataframe``),
+or named flat arrays in and out (``infer_arrays``, for a client that holds them).
 
 Merlin's ``convert_df_to_triton_input`` refuses CPU list columns ("this function doesn't
 support CPU list values yet"), so on the CPU there is no way to send sessions with it. Here a
@@ -25,8 +26,8 @@ from tritonclient.utils import triton_to_np_dtype
 from merlin_t4r_ops.errors import InvalidRequestError
 
 __all__ = [
-    "arrays_to_inputs", "dataframe_arrays", "dataframe_to_inputs", "response_to_dataframe",
-    "infer_dataframe", "model_metadata", "model_spec", "ModelSpec", "client_protocol",
+    "arrays_to_inputs", "checked_arrays", "dataframe_arrays", "dataframe_to_inputs",
+    "response_arrays", "response_to_dataframe", "infer_arrays", "infer_dataframe", "model_metadata", "model_spec", "ModelSpec", "client_protocol",
     "protocol_module", "has_batch_dimension",
 ]
 
@@ -203,14 +204,18 @@ def _dense(series: pd.Series, dtype, shape: Optional[List[int]]) -> np.ndarray:
         array = series.to_numpy()
     width = max(1, array.size // max(1, len(array)))
     array = _cast(series.name, array, dtype, lambda position: position // width)
+    return _shaped(array, shape, f"column {series.name!r}: the model takes shape {shape}, "
+                                 f"the column gives {list(array.shape)}")
+
+
+def _shaped(array: np.ndarray, shape: Optional[List[int]], refusal: str) -> np.ndarray:
+    """``array`` in the declared ``shape``: ``[rows]`` becomes ``[rows, 1]`` where the model
+    declares ``[-1, 1]``; any other difference in rank is refused with ``refusal``."""
     if shape is None or len(shape) == array.ndim:
         return array
     if len(shape) == 2 and array.ndim == 1 and shape[1] in (1, -1):
         return array.reshape(len(array), 1)
-    raise InvalidRequestError(
-        f"column {series.name!r}: the model takes shape {shape}, the column gives "
-        f"{list(array.shape)}"
-    )
+    raise InvalidRequestError(refusal)
 
 
 def dataframe_arrays(
@@ -288,6 +293,20 @@ def _text(array: np.ndarray) -> np.ndarray:
     return np.array(flat, dtype=object).reshape(array.shape)
 
 
+def response_arrays(response, output_names: Sequence[str], *,
+                    batch_dimension: bool = False) -> Dict[str, np.ndarray]:
+    """The outputs as named numpy arrays, as the model returned them.
+
+    With ``batch_dimension``, the leading dimension of 1 of every output is dropped. String
+    outputs (Triton BYTES) come back as ``str``, the way the ensemble returned them.
+    """
+    arrays = {}
+    for name in output_names:
+        array = _text(response.as_numpy(name))
+        arrays[name] = array[0] if batch_dimension else array
+    return arrays
+
+
 def response_to_dataframe(response, output_names: Sequence[str], *,
                           batch_dimension: bool = False) -> pd.DataFrame:
     """A DataFrame of the outputs: 2-D outputs and ragged pairs become list columns.
@@ -295,17 +314,13 @@ def response_to_dataframe(response, output_names: Sequence[str], *,
     With ``batch_dimension``, the leading dimension of 1 of every output is dropped first.
     String outputs (Triton BYTES) come back as ``str``, the way the ensemble returned them.
     """
-    def output(name):
-        array = _text(response.as_numpy(name))
-        return array[0] if batch_dimension else array
-
+    outputs = response_arrays(response, output_names, batch_dimension=batch_dimension)
     columns = {}
-    for name in output_names:
+    for name, array in outputs.items():
         if name.endswith(_OFFSETS):
             continue
-        array = output(name)
         if name.endswith(_VALUES):
-            offsets = output(name[: -len(_VALUES)] + _OFFSETS)
+            offsets = outputs[name[: -len(_VALUES)] + _OFFSETS]
             columns[name[: -len(_VALUES)]] = np.split(array, offsets[1:-1])
         elif array.ndim > 1:  # a fixed-length list, of length 1 too (top_k=1)
             columns[name] = list(array)
@@ -314,14 +329,14 @@ def response_to_dataframe(response, output_names: Sequence[str], *,
     return pd.DataFrame(columns)
 
 
-def _check_declared(dtypes: Dict[str, np.dtype], declared: Dict[str, np.dtype],
-                    model_name: str) -> None:
-    """Refuse a ``dtypes`` name that is none of the model's inputs (Triton's own refusal of
-    it runs to some 350 characters, and comes only after the request was built and sent)."""
-    unknown = [name for name in dtypes if name not in declared]
+def _check_declared(names, declared: Dict[str, np.dtype], model_name: str,
+                    argument: str = "dtypes") -> None:
+    """Refuse a name in ``argument`` that is none of the model's inputs (Triton's own refusal
+    of it runs to some 350 characters, and comes only after the request was built and sent)."""
+    unknown = [name for name in names if name not in declared]
     if unknown:
         raise InvalidRequestError(
-            f"dtypes names {unknown[0]!r}, which model {model_name!r} does not declare; "
+            f"{argument} names {unknown[0]!r}, which model {model_name!r} does not declare; "
             f"it declares {sorted(declared)}"
         )
 
@@ -370,19 +385,108 @@ def infer_dataframe(
         naming the column (and row): missing, a scalar or None where a list belongs, a
         fraction or NaN in an id column, lists of several lengths for a fixed-length input.
     """
-    protocol = client_protocol(client)
     spec = model_spec(client, model_name, refresh=refresh_metadata)
     if dtypes is not None:
         _check_declared(dtypes, spec.dtypes, model_name)
-    shapes = spec.shapes
     dtypes = {**spec.dtypes, **(dtypes or {})}
     output_names = output_names or spec.output_names
+    batch_dimension, shapes = _batching(spec, batch_dimension)
+    arrays = dataframe_arrays(df, dtypes, shapes)
+    response = _infer(client, model_name, arrays, output_names, batch_dimension)
+    return response_to_dataframe(response, output_names, batch_dimension=batch_dimension)
+
+
+def infer_arrays(
+    client,
+    arrays: Dict[str, np.ndarray],
+    *,
+    model_name: str = EXECUTOR_MODEL,
+    output_names: Optional[List[str]] = None,
+    batch_dimension: Optional[bool] = None,
+    refresh_metadata: bool = False,
+) -> Dict[str, np.ndarray]:
+    """Send named arrays to ``model_name``; return its outputs as named arrays.
+
+    :func:`infer_dataframe` for a client that holds its sessions as flat arrays: a list
+    column ``c`` as ``c__values`` (every session's items, one after another) and
+    ``c__offsets`` (where each session starts, and the end). It skips the DataFrame's
+    per-row work, which at 256 sessions costs more than the model's share of the call
+    (docs/benchmarks.md). The model's metadata is read once per client and model, as there.
+
+    Parameters
+    ----------
+    client : tritonclient.grpc.InferenceServerClient or tritonclient.http.InferenceServerClient
+    arrays : dict
+        Every input the model declares, by name; each is cast to the declared dtype (integer
+        ids may come as floats without a fraction), and ``[rows]`` goes as ``[rows, 1]``
+        where the model declares ``[-1, 1]``.
+    model_name, output_names, batch_dimension, refresh_metadata
+        As for :func:`infer_dataframe`.
+
+    Returns
+    -------
+    dict
+        Output name to numpy array (``str`` objects for string outputs), without the batch
+        dimension of a model that has one.
+
+    Raises
+    ------
+    InvalidRequestError
+        Naming the array the model does not declare, or the declared input that is missing,
+        with those the model takes; naming the input (and row) whose values are no integer
+        ids, or whose rank differs from the declared shape.
+    """
+    spec = model_spec(client, model_name, refresh=refresh_metadata)
+    output_names = output_names or spec.output_names
+    batch_dimension, shapes = _batching(spec, batch_dimension)
+    checked = checked_arrays(arrays, spec.dtypes, shapes, model_name)
+    response = _infer(client, model_name, checked, output_names, batch_dimension)
+    return response_arrays(response, output_names, batch_dimension=batch_dimension)
+
+
+def checked_arrays(arrays: Dict[str, np.ndarray], dtypes: Dict[str, np.dtype],
+                   shapes: Optional[Dict[str, List[int]]], model_name: str = EXECUTOR_MODEL,
+                   ) -> Dict[str, np.ndarray]:
+    """``arrays`` as ``model_name`` takes them: every declared input, in its dtype and shape."""
+    _check_declared(arrays, dtypes, model_name, argument="arrays")
+    missing = [name for name in dtypes if name not in arrays]
+    if missing:
+        raise InvalidRequestError(
+            f"arrays lack {missing[0]!r}: model {model_name!r} takes {sorted(dtypes)}, "
+            f"the arrays hold {sorted(arrays)}"
+        )
+    checked = {}
+    for name, dtype in dtypes.items():
+        array = np.asarray(arrays[name])
+        shape = (shapes or {}).get(name)
+        array = _cast(name, array, dtype, _row_of(name, array, arrays))
+        checked[name] = _shaped(array, shape, f"input {name!r}: the model takes shape {shape}, "
+                                              f"the array is {list(array.shape)}")
+    return checked
+
+
+def _row_of(name: str, array: np.ndarray, arrays: Dict[str, np.ndarray]):
+    """The row (session) of a position in ``array``: by its offsets for a ragged list's
+    values, by its width otherwise."""
+    if name.endswith(_VALUES) and name[: -len(_VALUES)] + _OFFSETS in arrays:
+        offsets = np.asarray(arrays[name[: -len(_VALUES)] + _OFFSETS])
+        return lambda position: int(np.searchsorted(offsets, position, side="right")) - 1
+    width = max(1, array.size // max(1, len(array))) if array.ndim else 1
+    return lambda position: position // width
+
+
+def _batching(spec: ModelSpec, batch_dimension: Optional[bool]):
+    """Whether to send each request as one batch entry, and the shapes to send it in."""
     batch_dimension = spec.batch_dimension if batch_dimension is None else batch_dimension
     if not spec.batch_dimension and batch_dimension:
-        shapes = None  # the caller's choice: the declared shapes have no batch dimension
-    response = client.infer(
+        return True, None  # the caller's choice: the declared shapes have no batch dimension
+    return batch_dimension, spec.shapes
+
+
+def _infer(client, model_name: str, arrays: Dict[str, np.ndarray], output_names, batch_dimension):
+    protocol = client_protocol(client)
+    return client.infer(
         model_name,
-        dataframe_to_inputs(df, dtypes, protocol, shapes, batch_dimension=batch_dimension),
+        arrays_to_inputs(arrays, protocol, batch_dimension=batch_dimension),
         outputs=[protocol.InferRequestedOutput(name) for name in output_names],
     )
-    return response_to_dataframe(response, output_names, batch_dimension=batch_dimension)
