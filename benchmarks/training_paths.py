@@ -316,13 +316,30 @@ def _cached_batches(setting: Setting, model, limit: int = 64) -> list:
     return setting.cached[setting.batch_size]
 
 
-def _cached_runner(fused: bool) -> Callable[[Setting, StepClock], None]:
+def _adam(fused: bool):
+    def make(params, lr):
+        return torch.optim.Adam(params, lr=lr, **({"fused": True} if fused else {}))
+    return make
+
+
+def _hugging_face_adamw(params, lr):
+    """What our Trainer's default ``optim="adamw_hf"`` builds (T4R's weight_decay 0)."""
+    from transformers.optimization import AdamW
+
+    return AdamW(params, lr=lr, no_deprecation_warning=True)
+
+
+def _cached_runner(make_optimizer, max_grad_norm: float = 0.0
+                   ) -> Callable[[Setting, StepClock], None]:
     def run(setting: Setting, clock: StepClock) -> None:
         model = setting.model().to(setting.device).train()
         batches = _cached_batches(setting, model)
         steps = _epoch_rows(setting) // setting.batch_size  # one epoch, as the loader paths
-        optimizer = torch.optim.Adam(model.parameters(), lr=setting.lr,
-                                     **({"fused": True} if fused else {}))
+        optimizer = make_optimizer(model.parameters(), setting.lr)
+        if max_grad_norm:  # clip between backward and step, as Hugging Face's loop does
+            def clip(*_):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            optimizer.register_step_pre_hook(clip)
         with clock.hooked():
             for step in range(steps):
                 _bare_step(model, optimizer, *batches[step % len(batches)])
@@ -355,11 +372,13 @@ PATHS: Dict[str, Callable[[Setting, StepClock], None]] = {
     "fit-fp16": _fit_runner(amp=True),
     "fit-bf16": _fit_runner(amp="bf16"),
     "t4r-loader": run_t4r_loader,
-    "cached": _cached_runner(fused=False),
+    "cached": _cached_runner(_adam(fused=False)),
     # optional, not in the default set
     "fit-compile": _fit_runner(compile=True),
     "fit-bf16-compile": _fit_runner(amp="bf16", compile=True),
-    "cached-fused": _cached_runner(fused=True),
+    "cached-fused": _cached_runner(_adam(fused=True)),
+    # The model's own pace with the Trainer's default step: adamw_hf and max_grad_norm=1.0.
+    "cached-trainer-step": _cached_runner(_hugging_face_adamw, max_grad_norm=1.0),
 }
 DEFAULT_PATHS = ["t4r-trainer", "trainer", "fit", "fit-fp16", "fit-bf16", "t4r-loader", "cached"]
 
