@@ -15,7 +15,9 @@ Paths (``benchmarks/training_paths.py``):
 * ``cached``: the same bare loop over batches already on the device: the model's own pace;
 * optional: ``fit-compile``, ``fit-bf16-compile`` (``compile=True``), ``cached-fused``
   (``Adam(fused=True)``), ``cached-trainer-step`` (the cached loop with the step our Trainer
-  takes by default: Hugging Face's ``AdamW`` and ``clip_grad_norm_(1.0)``),
+  takes by default: Hugging Face's ``AdamW`` as ``MultiTensorAdamW`` steps it, and
+  ``clip_grad_norm_(1.0)``), ``cached-hf-step`` (the same with Hugging Face's own class, a
+  loop per parameter, as T4R's Trainer steps),
   ``trainer-no-nan-filter`` (our Trainer with Hugging Face's
   ``logging_nan_inf_filter=False``: no read of each step's loss), ``trainer-fused`` (our
   Trainer with ``optim="adamw_torch_fused"`` in place of Hugging Face 4.30's ``adamw_hf``),

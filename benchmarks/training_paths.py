@@ -323,10 +323,17 @@ def _adam(fused: bool):
 
 
 def _hugging_face_adamw(params, lr):
-    """What our Trainer's default ``optim="adamw_hf"`` builds (T4R's weight_decay 0)."""
+    """``optim="adamw_hf"``'s class, T4R's default (weight_decay 0): a loop per parameter."""
     from transformers.optimization import AdamW
 
     return AdamW(params, lr=lr, no_deprecation_warning=True)
+
+
+def _trainer_adamw(params, lr):
+    """What our Trainer steps for ``optim="adamw_hf"``: the same AdamW, one launch per list."""
+    from merlin_t4r_ops.training.hf_adamw import MultiTensorAdamW
+
+    return MultiTensorAdamW(params, lr=lr, no_deprecation_warning=True)
 
 
 def _cached_runner(make_optimizer, max_grad_norm: float = 0.0
@@ -365,6 +372,8 @@ PATHS: Dict[str, Callable[[Setting, StepClock], None]] = {
     "trainer-fused": _our_trainer_runner(optim="adamw_torch_fused"),
     "trainer-fused-no-nan-filter": _our_trainer_runner(optim="adamw_torch_fused",
                                                        logging_nan_inf_filter=False),
+    # ... and no gradient clipping (Hugging Face's max_grad_norm=1.0) alone.
+    "trainer-fused-no-clip": _our_trainer_runner(optim="adamw_torch_fused", max_grad_norm=0.0),
     # ... and no gradient clipping (Hugging Face's max_grad_norm=1.0): fit's computation.
     "trainer-as-fit": _our_trainer_runner(optim="adamw_torch_fused", logging_nan_inf_filter=False,
                                           max_grad_norm=0.0),
@@ -377,8 +386,10 @@ PATHS: Dict[str, Callable[[Setting, StepClock], None]] = {
     "fit-compile": _fit_runner(compile=True),
     "fit-bf16-compile": _fit_runner(amp="bf16", compile=True),
     "cached-fused": _cached_runner(_adam(fused=True)),
-    # The model's own pace with the Trainer's default step: adamw_hf and max_grad_norm=1.0.
-    "cached-trainer-step": _cached_runner(_hugging_face_adamw, max_grad_norm=1.0),
+    # The model's own pace with the Trainer's default step: adamw_hf and max_grad_norm=1.0,
+    # stepped as our Trainer steps it, and as Hugging Face's class does (T4R's Trainer).
+    "cached-trainer-step": _cached_runner(_trainer_adamw, max_grad_norm=1.0),
+    "cached-hf-step": _cached_runner(_hugging_face_adamw, max_grad_norm=1.0),
 }
 DEFAULT_PATHS = ["t4r-trainer", "trainer", "fit", "fit-fp16", "fit-bf16", "t4r-loader", "cached"]
 

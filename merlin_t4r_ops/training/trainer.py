@@ -39,6 +39,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 from accelerate.utils import send_to_device
+from transformers.optimization import AdamW as HuggingFaceAdamW
 from transformers.trainer_pt_utils import find_batch_size
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 from transformers.training_args import ParallelMode
@@ -63,6 +64,7 @@ from merlin_t4r_ops.training.data_parallel import (
     loss_sum_and_count,
     rank_loss,
 )
+from merlin_t4r_ops.training.hf_adamw import multi_tensor
 from merlin_t4r_ops.training.loop_args import loop_view
 from merlin_t4r_ops.training.loss_filter import LoggedLossFilter
 from merlin_t4r_ops.training.metrics import MetricAccumulator, prediction_tasks
@@ -243,6 +245,16 @@ class Trainer(T4RTrainer):
         if self._loss_filter is None:
             return loss
         return self._loss_filter(loss, self.state.global_step - self._globalstep_last_logged)
+
+    def create_optimizer(self):
+        """Hugging Face's optimizer; its default ``adamw_hf`` (T4R's too) stepped as one
+        launch per tensor list (:class:`~merlin_t4r_ops.training.hf_adamw.MultiTensorAdamW`,
+        the same values). An optimizer passed in ``optimizers=`` is kept as given."""
+        created_here = self.optimizer is None
+        optimizer = super().create_optimizer()
+        if created_here and type(optimizer) is HuggingFaceAdamW:
+            self.optimizer = optimizer = multi_tensor(optimizer)
+        return optimizer
 
     def _maybe_log_save_evaluate(self, tr_loss, *args, **kwargs):
         if self.control.should_log and self._loss_filter is not None:
