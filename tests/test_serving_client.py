@@ -150,3 +150,13 @@ def test_a_fractional_id_in_flat_values_is_refused_naming_its_session(client):
                              r"\(int64\), got 4.5"):
         infer_arrays(client, {**arrays, "item_id-list__values": values},
                      model_name="next_item_full")
+
+
+def test_an_array_of_another_rank_is_refused_naming_it(client):
+    arrays = dataframe_arrays(_sessions(rows=3), DTYPES)
+    values = arrays["price-list__values"]
+    with pytest.raises(InvalidRequestError,
+                       match=rf"^input 'price-list__values': the model takes shape \[-1\], "
+                             rf"the array is \[{len(values)}, 1\]$"):
+        infer_arrays(client, {**arrays, "price-list__values": values[:, None]},
+                     model_name="next_item_full")

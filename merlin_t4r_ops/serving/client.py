@@ -204,18 +204,19 @@ def _dense(series: pd.Series, dtype, shape: Optional[List[int]]) -> np.ndarray:
         array = series.to_numpy()
     width = max(1, array.size // max(1, len(array)))
     array = _cast(series.name, array, dtype, lambda position: position // width)
-    return _shaped(array, shape, f"column {series.name!r}: the model takes shape {shape}, "
-                                 f"the column gives {list(array.shape)}")
+    return _shaped(array, shape, f"column {series.name!r}", "the column gives")
 
 
-def _shaped(array: np.ndarray, shape: Optional[List[int]], refusal: str) -> np.ndarray:
+def _shaped(array: np.ndarray, shape: Optional[List[int]], subject: str, gives: str
+            ) -> np.ndarray:
     """``array`` in the declared ``shape``: ``[rows]`` becomes ``[rows, 1]`` where the model
-    declares ``[-1, 1]``; any other difference in rank is refused with ``refusal``."""
+    declares ``[-1, 1]``; any other difference in rank is refused, naming ``subject``."""
     if shape is None or len(shape) == array.ndim:
         return array
     if len(shape) == 2 and array.ndim == 1 and shape[1] in (1, -1):
         return array.reshape(len(array), 1)
-    raise InvalidRequestError(refusal)
+    raise InvalidRequestError(
+        f"{subject}: the model takes shape {shape}, {gives} {list(array.shape)}")
 
 
 def dataframe_arrays(
@@ -458,10 +459,10 @@ def checked_arrays(arrays: Dict[str, np.ndarray], dtypes: Dict[str, np.dtype],
     checked = {}
     for name, dtype in dtypes.items():
         array = np.asarray(arrays[name])
-        shape = (shapes or {}).get(name)
-        array = _cast(name, array, dtype, _row_of(name, array, arrays))
-        checked[name] = _shaped(array, shape, f"input {name!r}: the model takes shape {shape}, "
-                                              f"the array is {list(array.shape)}")
+        if array.dtype != dtype:  # the common case, the declared dtype, costs one comparison
+            array = _cast(name, array, dtype, _row_of(name, array, arrays))
+        checked[name] = _shaped(array, (shapes or {}).get(name), f"input {name!r}",
+                                "the array is")
     return checked
 
 

@@ -43,6 +43,7 @@ from transformers.optimization import AdamW as HuggingFaceAdamW
 from transformers.trainer_pt_utils import find_batch_size
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 from transformers.training_args import ParallelMode
+from transformers.utils import is_torch_tpu_available
 from transformers4rec.config.trainer import T4RecTrainingArguments
 from transformers4rec.torch import Trainer as T4RTrainer
 from transformers4rec.torch.model.prediction_task import NextItemPredictionTask
@@ -220,9 +221,11 @@ class Trainer(T4RTrainer):
         loop reads ``ignore_data_skip`` on when :meth:`train` placed the loader at the
         checkpoint, and ``logging_nan_inf_filter`` off when :meth:`training_step` applies
         that filter on the device (:mod:`~merlin_t4r_ops.training.loss_filter`): not for a
-        subclass that replaces ``training_step``, which keeps Hugging Face's check.
+        subclass that replaces ``training_step``, which keeps Hugging Face's check, nor on a
+        TPU, where Hugging Face skips it.
         """
         on_device = (args.logging_nan_inf_filter
+                     and not is_torch_tpu_available()  # where Hugging Face skips its check
                      and type(self).training_step is Trainer.training_step)
         loop_args = loop_view(
             args,
