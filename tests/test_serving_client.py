@@ -1,4 +1,5 @@
-"""``infer_dataframe``, ``infer_arrays`` and friends: what a DataFrame may hold, what comes back, how many RPCs."""
+"""``infer_dataframe``, ``infer_arrays`` and friends: what a request may hold, what comes back,
+how many RPCs."""
 
 import numpy as np
 import pandas as pd

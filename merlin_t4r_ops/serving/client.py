@@ -27,8 +27,9 @@ from merlin_t4r_ops.errors import InvalidRequestError
 
 __all__ = [
     "arrays_to_inputs", "checked_arrays", "dataframe_arrays", "dataframe_to_inputs",
-    "response_arrays", "response_to_dataframe", "infer_arrays", "infer_dataframe", "model_metadata", "model_spec", "ModelSpec", "client_protocol",
-    "protocol_module", "has_batch_dimension",
+    "response_arrays", "response_to_dataframe", "infer_arrays", "infer_dataframe",
+    "model_metadata", "model_spec", "ModelSpec", "client_protocol", "protocol_module",
+    "has_batch_dimension",
 ]
 
 EXECUTOR_MODEL = "executor_model"
@@ -459,7 +460,7 @@ def checked_arrays(arrays: Dict[str, np.ndarray], dtypes: Dict[str, np.dtype],
     checked = {}
     for name, dtype in dtypes.items():
         array = np.asarray(arrays[name])
-        if array.dtype != dtype:  # the common case, the declared dtype, costs one comparison
+        if array.dtype != dtype:  # an array in the declared dtype costs one comparison
             array = _cast(name, array, dtype, _row_of(name, array, arrays))
         checked[name] = _shaped(array, (shapes or {}).get(name), f"input {name!r}",
                                 "the array is")
