@@ -8,6 +8,7 @@ would have added. The GPU side (no wait per step) is in ``test_training_sync_gpu
 
 import math
 import os
+import pickle
 import sys
 
 import pytest
@@ -148,3 +149,28 @@ def test_non_finite_losses_are_logged_as_hugging_faces_own_check_logs_them(tmp_p
     assert on_device == on_host and all(math.isfinite(x) for x in on_device), (on_device, on_host)
     assert device_output.training_loss == host_output.training_loss
     assert math.isfinite(device_output.training_loss)
+
+
+class SavesArguments(TrainerCallback):
+    """What W&B's ``WANDB_LOG_MODEL`` does at the end of a run (``Trainer(args=args, ...)
+    .save_model()``, which pickles ``args``), and a callback's write to the arguments."""
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.saved = pickle.loads(pickle.dumps(args))
+        args.ignore_data_skip = args.ignore_data_skip  # refused by a read-only view
+
+
+def test_callbacks_can_pickle_and_write_the_loops_arguments(tmp_path):
+    saving = SavesArguments()
+    trainer = Trainer(
+        model=factories.testing_model("clm"),
+        args=make_args(str(tmp_path), max_sequence_length=factories.TESTING_MAX_LEN,
+                       num_train_epochs=1),
+        strategy="single", schema=factories.testing_schema(),
+        train_dataset_or_path=factories.testing_dataset(factories.testing_frame().iloc[:64]),
+        callbacks=[saving],
+    )
+    trainer.train()
+    assert type(saving.saved) is type(trainer.args)  # the user's class, not the loop's view
+    assert saving.saved.logging_nan_inf_filter is True  # and the user's flags
+    assert saving.saved.to_dict() == trainer.args.to_dict()

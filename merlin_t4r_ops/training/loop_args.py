@@ -9,6 +9,8 @@ checkpoints save. The loop's callbacks would also record the copy's flags (W&B, 
 TensorBoard record ``args.to_dict()``).
 """
 
+import copy
+
 __all__ = ["loop_view"]
 
 
@@ -16,11 +18,22 @@ def loop_view(args, **loop_only):
     """``args`` with the fields in ``loop_only`` reading as given, for the loop alone.
 
     The view shares ``args``' attributes (its ``__dict__`` is the same object), so what the
-    loop writes lands in ``args``, as it would in Hugging Face's Trainer. ``to_dict`` answers
-    for ``args``: trackers record the user's arguments, not the loop's flags.
+    loop or a callback writes lands in ``args``, as it would in Hugging Face's Trainer (a
+    write to a ``loop_only`` field too, though the loop keeps reading its own value). For
+    everything that leaves the loop the view stands for ``args``: ``to_dict`` (what trackers
+    record), and pickling and copying (W&B's ``WANDB_LOG_MODEL`` saves the callback's
+    ``args`` with ``torch.save``), which give the user's arguments.
     """
-    members = {name: property(lambda self, value=value: value) for name, value in loop_only.items()}
+    def flag(name, value):
+        def write(self, new):
+            self.__dict__[name] = new
+        return property(lambda self: value, write)
+
+    members = {name: flag(name, value) for name, value in loop_only.items()}
     members["to_dict"] = lambda self: args.to_dict()
+    # Unpickled or copied, the view is a copy of ``args`` (``copy.copy``: no reference to
+    # this package in a pickled file).
+    members["__reduce_ex__"] = lambda self, protocol: (copy.copy, (args,))
     view_class = type(type(args).__name__, (type(args),), members)
     view = object.__new__(view_class)
     view.__dict__ = args.__dict__
