@@ -39,10 +39,15 @@ def _state_equal(a, b):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[GPU, needs_cuda])])
-@pytest.mark.parametrize("weight_decay, correct_bias", [(0.0, True), (0.01, True), (0.01, False)])
-def test_the_same_values_as_hugging_faces_adamw(device, weight_decay, correct_bias):
+@pytest.mark.parametrize("weight_decay, correct_bias, dtype", [
+    (0.0, True, torch.float32), (0.01, True, torch.float32), (0.01, False, torch.float32),
+    # A model cast to half precision: its parameters are stepped one by one (torch's list ops
+    # round 0.9 to bfloat16 on the CPU, where mul_ does not).
+    (0.01, True, torch.bfloat16), (0.0, True, torch.float16),
+])
+def test_the_same_values_as_hugging_faces_adamw(device, weight_decay, correct_bias, dtype):
     source = factories.testing_model("clm", d_model=32).to(device)
-    theirs_model, ours_model = copy.deepcopy(source), copy.deepcopy(source)
+    theirs_model, ours_model = (copy.deepcopy(source).to(dtype) for _ in range(2))
     frozen = [n for n, _ in source.named_parameters()][1]
     settings = dict(lr=5e-3, eps=1e-6, correct_bias=correct_bias, no_deprecation_warning=True)
     theirs = HuggingFaceAdamW(_groups(theirs_model, weight_decay), **settings)
@@ -57,7 +62,7 @@ def test_the_same_values_as_hugging_faces_adamw(device, weight_decay, correct_bi
         for model in (theirs_model, ours_model):
             for name, p in model.named_parameters():
                 unused = name == frozen or grads[name] is None  # T4R leaves some unused
-                p.grad = None if unused else grads[name].clone()
+                p.grad = None if unused else grads[name].to(dtype, copy=True)
         theirs.step()
         ours.step()
         for (name, a), b in zip(theirs_model.named_parameters(), ours_model.parameters()):
