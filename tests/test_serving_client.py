@@ -7,7 +7,8 @@ import pytest
 
 import t4r_factories as factories
 from merlin_t4r_ops.errors import InvalidRequestError
-from merlin_t4r_ops.serving.client import dataframe_arrays, infer_arrays, infer_dataframe
+from merlin_t4r_ops.serving.client import (
+    checked_arrays, dataframe_arrays, infer_arrays, infer_dataframe)
 
 DTYPES = {"item_id-list__values": np.int64, "item_id-list__offsets": np.int32,
           "category-list__values": np.int64, "category-list__offsets": np.int32,
@@ -147,8 +148,8 @@ def test_a_fractional_id_in_flat_values_is_refused_naming_its_session(client):
     values = arrays["item_id-list__values"].astype(float)
     values[arrays["item_id-list__offsets"][2]] = 4.5  # the third session's first item
     with pytest.raises(InvalidRequestError,
-                       match=r"column 'item_id-list__values' row 2: expected integer ids "
-                             r"\(int64\), got 4.5"):
+                       match=r"^input 'item_id-list__values' session 2: expected integer ids "
+                             r"\(int64\), got 4.5$"):
         infer_arrays(client, {**arrays, "item_id-list__values": values},
                      model_name="next_item_full")
 
@@ -161,3 +162,43 @@ def test_an_array_of_another_rank_is_refused_naming_it(client):
                              rf"the array is \[{len(values)}, 1\]$"):
         infer_arrays(client, {**arrays, "price-list__values": values[:, None]},
                      model_name="next_item_full")
+
+
+IDS = {"x__values": np.int64, "x__offsets": np.int32, "user": np.int64}
+
+
+def _flat(values, offsets=(0, 2, 3), user=(7, 8)):
+    return {"x__values": np.asarray(values), "x__offsets": np.asarray(offsets),
+            "user": np.asarray(user)}
+
+
+@pytest.mark.parametrize("values", [np.array(["1", "x", "3"]), np.array([b"1", b"x", b"3"]),
+                                    np.array(["1", "x", "3"], dtype=object)])
+def test_text_that_is_no_number_is_refused_naming_the_input(values):
+    with pytest.raises(InvalidRequestError,
+                       match=r"^input 'x__values': expected integer ids \(int64\), got values "
+                             r"that are not numbers of that range \(could not convert"):
+        checked_arrays(_flat(values), IDS, None)
+
+
+@pytest.mark.parametrize("arrays, shown", [
+    (_flat([1, 2, 3], offsets=np.array([0, 2, 2**31], dtype=np.int64)),
+     r"input 'x__offsets' position 2: expected integer ids \(int32\), got 2147483648"),
+    (_flat(np.array([1.0, 1e30, 3.0])),
+     r"input 'x__values' session 0: expected integer ids \(int64\), got 1e\+30"),
+    (_flat([1, 2, 3], user=np.array([7, 2**64 - 1], dtype=np.uint64)),
+     r"input 'user' position 1: expected integer ids \(int64\), got 18446744073709551615"),
+])
+def test_ids_outside_the_declared_range_are_refused_not_wrapped(arrays, shown):
+    with pytest.raises(InvalidRequestError, match=rf"^{shown}$"):
+        checked_arrays(arrays, IDS, None)
+
+
+def test_arrays_are_cast_and_shaped_as_declared():
+    got = checked_arrays(_flat([1.0, 2.0, 3.0], offsets=np.array([0, 2, 3], dtype=np.int64),
+                               user=[7, 8]),
+                         IDS, {"x__values": [-1], "x__offsets": [-1], "user": [-1, 1]})
+    assert {name: (a.dtype, a.shape) for name, a in got.items()} == {
+        "x__values": (np.dtype(np.int64), (3,)), "x__offsets": (np.dtype(np.int32), (3,)),
+        "user": (np.dtype(np.int64), (2, 1))}
+    np.testing.assert_array_equal(got["x__values"], [1, 2, 3])

@@ -133,29 +133,38 @@ def _list_rows(series: pd.Series) -> list:
     )
 
 
-def _cast(name: str, values: np.ndarray, dtype, row_of) -> np.ndarray:
-    """``values`` as ``dtype``; a float with a fraction, NaN or inf sent as an integer id is
-    refused, naming the column and the row (``row_of(position)``), not cast."""
-    if (np.issubdtype(np.dtype(dtype), np.integer) and values.dtype == object
-            and not all(isinstance(v, (int, np.integer)) for v in values.reshape(-1))):
-        try:  # floats or None (as NaN) among them: checked as floats below
-            values = values.astype(np.float64)
-        except (TypeError, ValueError) as error:
+def _cast(subject: str, values: np.ndarray, dtype, where) -> np.ndarray:
+    """``values`` as ``dtype``. As integer ids, a float with a fraction, NaN or inf, a value
+    outside ``dtype``'s range, and text that is no number are refused, naming ``subject``
+    (``column 'x'``) and the place (``where(position)``: ``row 3``), not cast."""
+    target = np.dtype(dtype)
+    if target.kind not in "iu" or values.dtype == target:
+        return values.astype(target, copy=False)
+    if values.dtype.kind in "OUS":
+        # Python ints as int64; floats, None (as NaN) or numbers as text as floats, checked below
+        ints = all(isinstance(v, (int, np.integer)) for v in values.reshape(-1))
+        try:
+            values = values.astype(np.int64 if ints else np.float64)
+        except (TypeError, ValueError, OverflowError) as error:
             raise InvalidRequestError(
-                f"column {name!r}: expected integer ids ({np.dtype(dtype).name}), got "
-                f"values that are not numbers ({error})"
+                f"{subject}: expected integer ids ({target.name}), got values that are not "
+                f"numbers of that range ({error})"
             ) from error
-    if np.issubdtype(np.dtype(dtype), np.integer) and np.issubdtype(values.dtype, np.floating):
-        flat = values.reshape(-1)
+    flat = values.reshape(-1)
+    if flat.dtype.kind == "f":
         bad = ~np.isfinite(flat)
         bad[~bad] = flat[~bad] != np.round(flat[~bad])
-        if bad.any():
-            position = int(np.argmax(bad))
-            raise InvalidRequestError(
-                f"column {name!r} row {row_of(position)}: expected integer ids "
-                f"({np.dtype(dtype).name}), got {float(flat[position])!r}"
-            )
-    return values.astype(dtype, copy=False)
+    else:
+        bad = np.zeros(len(flat), dtype=bool)
+    if flat.dtype.kind in "iuf" and len(flat):
+        info = np.iinfo(target)
+        bad |= (flat < info.min) | (flat > info.max)  # NaN compares False: caught above
+    if bad.any():
+        position = int(np.argmax(bad))
+        shown = flat[position].item()
+        raise InvalidRequestError(
+            f"{subject} {where(position)}: expected integer ids ({target.name}), got {shown!r}")
+    return values.astype(target, copy=False)
 
 
 def _ragged(series: pd.Series, values_dtype, offsets_dtype):
@@ -174,9 +183,9 @@ def _ragged(series: pd.Series, values_dtype, offsets_dtype):
         values = np.concatenate([np.asarray(row) for row in rows])
 
     def row_of(position):
-        return int(np.searchsorted(offsets, position, side="right")) - 1
+        return f"row {int(np.searchsorted(offsets, position, side='right')) - 1}"
 
-    return _cast(series.name, values, values_dtype, row_of), offsets
+    return _cast(f"column {series.name!r}", values, values_dtype, row_of), offsets
 
 
 def _column(df: pd.DataFrame, name: str, dtypes) -> pd.Series:
@@ -204,7 +213,8 @@ def _dense(series: pd.Series, dtype, shape: Optional[List[int]]) -> np.ndarray:
     else:
         array = series.to_numpy()
     width = max(1, array.size // max(1, len(array)))
-    array = _cast(series.name, array, dtype, lambda position: position // width)
+    array = _cast(f"column {series.name!r}", array, dtype,
+                  lambda position: f"row {position // width}")
     return _shaped(array, shape, f"column {series.name!r}", "the column gives")
 
 
@@ -461,20 +471,21 @@ def checked_arrays(arrays: Dict[str, np.ndarray], dtypes: Dict[str, np.dtype],
     for name, dtype in dtypes.items():
         array = np.asarray(arrays[name])
         if array.dtype != dtype:  # an array in the declared dtype costs one comparison
-            array = _cast(name, array, dtype, _row_of(name, array, arrays))
+            array = _cast(f"input {name!r}", array, dtype, _where(name, array, arrays))
         checked[name] = _shaped(array, (shapes or {}).get(name), f"input {name!r}",
                                 "the array is")
     return checked
 
 
-def _row_of(name: str, array: np.ndarray, arrays: Dict[str, np.ndarray]):
-    """The row (session) of a position in ``array``: by its offsets for a ragged list's
-    values, by its width otherwise."""
+def _where(name: str, array: np.ndarray, arrays: Dict[str, np.ndarray]):
+    """Where a position of ``array`` is, for a refusal: the session of a ragged list's value
+    (by its offsets), the row of a 2-D array, else the position itself."""
     if name.endswith(_VALUES) and name[: -len(_VALUES)] + _OFFSETS in arrays:
         offsets = np.asarray(arrays[name[: -len(_VALUES)] + _OFFSETS])
-        return lambda position: int(np.searchsorted(offsets, position, side="right")) - 1
-    width = max(1, array.size // max(1, len(array))) if array.ndim else 1
-    return lambda position: position // width
+        return lambda p: f"session {int(np.searchsorted(offsets, p, side='right')) - 1}"
+    if array.ndim == 2:
+        return lambda p: f"row {p // max(1, array.shape[1])}"
+    return lambda p: f"position {p}"
 
 
 def _batching(spec: ModelSpec, batch_dimension: Optional[bool]):
