@@ -254,6 +254,35 @@ def _our_trainer_runner(**args_overrides) -> Callable[[Setting, StepClock], None
 run_our_trainer = _our_trainer_runner()
 
 
+class _CachedEpoch:
+    """An epoch of ``fit``'s batches already on the device, cycled: a train loader that
+    costs the Trainer's loop nothing, so ``trainer-cached`` is Hugging Face's loop alone."""
+
+    def __init__(self, batches: list, steps: int, batch_size: int):
+        self.batches, self.steps, self.batch_size = batches, steps, batch_size
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self):
+        return (self.batches[step % len(self.batches)] for step in range(self.steps))
+
+
+def run_our_trainer_cached(setting: Setting, clock: StepClock) -> None:
+    """Our ``Trainer.train()`` over batches already on the device (its defaults otherwise)."""
+    from merlin_t4r_ops.training import Trainer
+
+    model = setting.model()
+    trainer = _quiet(Trainer(model=model, args=_training_args(setting), strategy="single",
+                             schema=t4r_schema(), train_dataset_or_path=setting.files,
+                             callbacks=[_stop_when_done(clock)]))
+    batches = _cached_batches(setting, model)
+    steps = _epoch_rows(setting) // setting.batch_size
+    trainer.train_dataloader = _CachedEpoch(batches, steps, setting.batch_size)
+    with clock.hooked():
+        trainer.train()
+
+
 def _fit_runner(**options) -> Callable[[Setting, StepClock], None]:
     def run(setting: Setting, clock: StepClock) -> None:
         from merlin_t4r_ops.training import fit
@@ -375,6 +404,8 @@ PATHS: Dict[str, Callable[[Setting, StepClock], None]] = {
     # ... and no gradient clipping (Hugging Face's max_grad_norm=1.0) alone.
     "trainer-fused-no-clip": _our_trainer_runner(optim="adamw_torch_fused", max_grad_norm=0.0),
     # ... and no gradient clipping (Hugging Face's max_grad_norm=1.0): fit's computation.
+    # Our Trainer, its defaults, over batches already on the device: its loop alone.
+    "trainer-cached": run_our_trainer_cached,
     "trainer-as-fit": _our_trainer_runner(optim="adamw_torch_fused", logging_nan_inf_filter=False,
                                           max_grad_norm=0.0),
     "fit": _fit_runner(),
