@@ -34,6 +34,7 @@ from merlin_t4r_ops.errors import T4ROpsError
 from merlin_t4r_ops.harmless_warnings import cpu_datasets_quiet
 from merlin_t4r_ops.sequence import pad_lists_fn
 from merlin_t4r_ops.training.packed import PackedBatch
+from merlin_t4r_ops.training.padded_rows import PartitionArrays, padded_batch
 
 __all__ = ["ColumnLayout", "EpochDataset", "partition_reader", "plan_batches", "batch_tensors"]
 
@@ -270,17 +271,34 @@ class EpochDataset(torch.utils.data.IterableDataset):
             pad = pad_lists_fn(self.pad.width, self.pad.list_columns, self.pad.id_columns)
         cache = collections.OrderedDict()  # a batch spans at most two partitions in a row
         for index in range(worker, len(self.plan), workers):
-            x, y = batch_tensors(self._rows(self.plan[index], cache), self.layout)
-            x, y = pad(x, y) if pad else (x, y)
+            x, y = self._batch(self.plan[index], cache, pad)
             # From a worker process: one buffer to send and pin, not one per tensor.
             yield PackedBatch.pack(x, y) if info else (x, y)
 
+    def _batch(self, segments: Sequence[Segment], cache, pad):
+        """The batch padded from its partitions' buffers where it can be (:mod:`.padded_rows`),
+        else through ``batch_tensors`` and ``pad``: the same tensors either way."""
+        if pad is not None:
+            parts = []
+            for partition, start, stop in segments:
+                _, order, arrays = self._partition(partition, cache)
+                rows = np.arange(start, stop) if order is None else order[start:stop]
+                parts.append((arrays, rows))
+            if all(arrays is not None for arrays, _ in parts):
+                batch = padded_batch(parts, self.layout, self.pad.width, self.pad.id_columns)
+                if batch is not None:
+                    return batch
+        x, y = batch_tensors(self._rows(segments, cache), self.layout)
+        return pad(x, y) if pad else (x, y)
+
     def _partition(self, partition: int, cache):
+        """``(table, row order, PartitionArrays or None)`` of a partition, read once."""
         if partition not in cache:
             table = self.reader.read(partition)
             order = partition_rows(partition, self.lengths[partition], self.seed, self.epoch,
                                    self.shuffle)
-            cache[partition] = (table, order)
+            arrays = PartitionArrays.of(table, self.layout) if self.pad is not None else None
+            cache[partition] = (table, order, arrays)
             while len(cache) > 2:
                 cache.popitem(last=False)
         return cache[partition]
@@ -288,7 +306,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
     def _rows(self, segments: Sequence[Segment], cache) -> pa.Table:
         tables = []
         for partition, start, stop in segments:
-            table, order = self._partition(partition, cache)
+            table, order, _ = self._partition(partition, cache)
             if order is None:
                 tables.append(table.slice(start, stop - start))
             else:

@@ -1,0 +1,125 @@
+"""Padded batches gathered from a partition's Arrow buffers equal the general path's.
+
+The general path is ``batch_tensors`` over the batch's rows taken out of the table, then
+``pad_lists_fn``: the one crop-and-pad rule. ``tests/test_training_columnar.py`` compares
+whole loaders, this path included, with Merlin's; here the two paths meet on random tables
+that the loaders' files do not hold: sliced tables (offsets that do not start at 0), empty
+and long sessions, several dtypes, batches across two partitions, and what must go the
+general path (null rows, columns that disagree on a session's length).
+"""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from merlin_t4r_ops.errors import SessionLengthError, T4ROpsError
+from merlin_t4r_ops.sequence import pad_lists_fn
+from merlin_t4r_ops.training.columnar import ColumnLayout, batch_tensors
+from merlin_t4r_ops.training.padded_rows import PartitionArrays, padded_batch
+
+LAYOUT = ColumnLayout(
+    kinds={"item_id-list": "ragged", "price-list": "ragged", "flag-list": "ragged",
+           "click": "scalar", "rating": "scalar"},
+    targets=("click",),
+)
+IDS = ("item_id-list",)
+
+
+def random_table(rng, rows: int, lengths=None) -> pa.Table:
+    lengths = rng.integers(0, 30, rows) if lengths is None else np.asarray(lengths)
+    def lists(values):
+        return pa.ListArray.from_arrays(np.r_[0, np.cumsum(lengths)].astype(np.int32), values)
+    total = int(lengths.sum())
+    return pa.table({
+        "item_id-list": lists(pa.array(rng.integers(1, 1000, total), pa.int64())),
+        "price-list": lists(pa.array(rng.random(total), pa.float32())),
+        "flag-list": lists(pa.array(rng.random(total) > 0.5)),
+        "click": pa.array(rng.integers(0, 2, rows), pa.int64()),
+        "rating": pa.array(rng.random(rows), pa.float64()),
+    })
+
+
+def general(tables_and_rows, width):
+    taken = pa.concat_tables([table.take(pa.array(rows)) for table, rows in tables_and_rows])
+    return pad_lists_fn(width, (), IDS)(*batch_tensors(taken, LAYOUT))
+
+
+def fast(tables_and_rows, width):
+    parts = [(PartitionArrays.of(table, LAYOUT), rows) for table, rows in tables_and_rows]
+    return padded_batch(parts, LAYOUT, width, IDS)
+
+
+def assert_identical(got, expected):
+    (x, y), (ex, ey) = got, expected
+    assert list(x) == list(ex)
+    for name in ex:
+        assert x[name].dtype == ex[name].dtype and torch.equal(x[name], ex[name]), name
+    assert y.dtype == ey.dtype and torch.equal(y, ey)
+
+
+@pytest.mark.parametrize("width", [1, 10, 40])
+def test_a_batch_from_the_partitions_buffers_is_the_general_paths(width):
+    rng = np.random.default_rng(width)
+    for _ in range(20):
+        table = random_table(rng, 300)
+        sliced = table.slice(37, 200)  # its lists' offsets start past 0
+        first = rng.permutation(200)[:50]
+        second = rng.permutation(300)[:14]
+        assert_identical(fast([(sliced, first)], width), general([(sliced, first)], width))
+        both = [(sliced, first), (table, second)]  # a batch across two partitions
+        assert_identical(fast(both, width), general(both, width))
+
+
+def test_several_targets_come_as_a_dict_as_on_the_general_path():
+    layout = ColumnLayout(kinds=LAYOUT.kinds, targets=("click", "rating"))
+    table, rows = random_table(np.random.default_rng(1), 40), np.arange(40)[::-1]
+    x, y = padded_batch([(PartitionArrays.of(table, layout), rows)], layout, 10, IDS)
+    ex, ey = pad_lists_fn(10, (), IDS)(*batch_tensors(table.take(pa.array(rows)), layout))
+    assert list(x) == list(ex) and list(y) == list(ey) == ["click", "rating"]
+    assert all(torch.equal(y[name], ey[name]) for name in ey)
+
+
+def test_sessions_whose_lists_disagree_are_left_to_the_general_path_which_refuses_them():
+    table = random_table(np.random.default_rng(2), 10, lengths=[3] * 10)
+    prices = pa.ListArray.from_arrays(pa.array([0, 3, 6, 8] + [8 + 3 * i for i in range(1, 8)],
+                                               pa.int32()), pa.array(np.ones(29, np.float32)))
+    table = table.set_column(1, "price-list", prices)  # row 2 holds 2 prices for 3 items
+    rows = np.arange(10)
+    assert fast([(table, rows)], 5) is None
+    with pytest.raises(SessionLengthError, match=r"row 2: .*'item_id-list': 3, 'price-list': 2"):
+        general([(table, rows)], 5)
+
+
+def test_a_partition_with_a_null_row_goes_the_general_path_which_names_the_column():
+    table = random_table(np.random.default_rng(3), 5, lengths=[2] * 5)
+    items = pa.array([[1, 2], None, [3, 4], [5, 6], [7, 8]], pa.list_(pa.int64()))
+    table = table.set_column(0, "item_id-list", items)
+    assert PartitionArrays.of(table, LAYOUT) is None
+    with pytest.raises(T4ROpsError, match="list column 'item_id-list' holds 1 null rows"):
+        general([(table, np.arange(5))], 5)
+
+
+def test_fixed_lists_and_text_go_the_general_path():
+    table = random_table(np.random.default_rng(4), 5)
+    fixed = ColumnLayout(kinds={**LAYOUT.kinds, "price-list": "fixed"}, targets=("click",))
+    assert PartitionArrays.of(table, fixed) is None
+    names = table.set_column(3, "click", pa.array(list("abcde")))
+    assert PartitionArrays.of(names, LAYOUT) is None
+
+
+def test_the_loaders_padded_batches_come_from_the_buffers(tmp_path):
+    # So that tests/test_training_columnar.py's comparison with Merlin's loader covers them.
+    import collections
+
+    import t4r_training_factories as factories
+    from merlin_t4r_ops.training import DistributedState
+    from merlin_t4r_ops.training.data import ShardedLoader, as_dataset
+
+    files = factories.write_sessions(str(tmp_path / "train"), 60, sizes=[30, 30])
+    state = DistributedState("single", 0, 0, 1, torch.device("cpu"), "test")
+    loader = ShardedLoader(as_dataset(files), state, 16, ["item_id-list", "category-list"],
+                           ["click"], max_sequence_length=10, shuffle=True)
+    epoch = loader.epoch_dataset(0)
+    _, _, arrays = epoch._partition(0, collections.OrderedDict())
+    assert isinstance(arrays, PartitionArrays)
