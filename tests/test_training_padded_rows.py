@@ -15,7 +15,7 @@ import torch
 
 from merlin_t4r_ops.errors import SessionLengthError, T4ROpsError
 from merlin_t4r_ops.sequence import pad_lists_fn
-from merlin_t4r_ops.training.columnar import ColumnLayout, batch_tensors
+from merlin_t4r_ops.training.columnar import ColumnLayout, batch_tensors, split_targets
 from merlin_t4r_ops.training.padded_rows import PartitionArrays, padded_batch
 
 LAYOUT = ColumnLayout(
@@ -45,9 +45,10 @@ def general(tables_and_rows, width):
     return pad_lists_fn(width, (), IDS)(*batch_tensors(taken, LAYOUT))
 
 
-def fast(tables_and_rows, width):
-    parts = [(PartitionArrays.of(table, LAYOUT), rows) for table, rows in tables_and_rows]
-    return padded_batch(parts, LAYOUT, width, IDS)
+def fast(tables_and_rows, width, layout=LAYOUT):
+    parts = [(PartitionArrays.of(table, layout), rows) for table, rows in tables_and_rows]
+    tensors = padded_batch(parts, layout, width, IDS)
+    return None if tensors is None else split_targets(tensors, layout)
 
 
 def assert_identical(got, expected):
@@ -74,7 +75,7 @@ def test_a_batch_from_the_partitions_buffers_is_the_general_paths(width):
 def test_several_targets_come_as_a_dict_as_on_the_general_path():
     layout = ColumnLayout(kinds=LAYOUT.kinds, targets=("click", "rating"))
     table, rows = random_table(np.random.default_rng(1), 40), np.arange(40)[::-1]
-    x, y = padded_batch([(PartitionArrays.of(table, layout), rows)], layout, 10, IDS)
+    x, y = fast([(table, rows)], 10, layout)
     ex, ey = pad_lists_fn(10, (), IDS)(*batch_tensors(table.take(pa.array(rows)), layout))
     assert list(x) == list(ex) and list(y) == list(ey) == ["click", "rating"]
     assert all(torch.equal(y[name], ey[name]) for name in ey)

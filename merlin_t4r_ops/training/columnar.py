@@ -197,6 +197,11 @@ def batch_tensors(table: pa.Table, layout: ColumnLayout):
     tensors = {}
     for name, kind in layout.kinds.items():
         tensors.update(_column_tensors(name, kind, table.column(name)))
+    return split_targets(tensors, layout)
+
+
+def split_targets(tensors: dict, layout: ColumnLayout):
+    """``(x, y)`` of a batch's tensors: one target a tensor, several a dict, none None."""
     targets = {name: tensors.pop(name) for name in layout.targets}
     if not targets:
         return tensors, None
@@ -285,9 +290,9 @@ class EpochDataset(torch.utils.data.IterableDataset):
                 rows = np.arange(start, stop) if order is None else order[start:stop]
                 parts.append((arrays, rows))
             if all(arrays is not None for arrays, _ in parts):
-                batch = padded_batch(parts, self.layout, self.pad.width, self.pad.id_columns)
-                if batch is not None:
-                    return batch
+                tensors = padded_batch(parts, self.layout, self.pad.width, self.pad.id_columns)
+                if tensors is not None:
+                    return split_targets(tensors, self.layout)
         x, y = batch_tensors(self._rows(segments, cache), self.layout)
         return pad(x, y) if pad else (x, y)
 

@@ -89,10 +89,10 @@ class PartitionArrays:
 
 
 def padded_batch(parts: Sequence[Tuple[PartitionArrays, np.ndarray]], layout, width: int,
-                 id_columns) -> Optional[tuple]:
-    """``(x, y)`` of the rows ``parts`` names (partition arrays, their rows), in the general
-    path's layout (one target: a tensor; several: a dict), or None where it must make them
-    (its error names the row of the whole batch where list columns disagree)."""
+                 id_columns) -> Optional[Dict[str, torch.Tensor]]:
+    """Every column of the rows ``parts`` names (partition arrays, their rows), in the
+    layout's order, or None where the general path must make them (its error names the row
+    of the whole batch where list columns disagree)."""
     try:
         pieces: List[Dict[str, np.ndarray]] = [
             arrays.padded(rows, width, id_columns) for arrays, rows in parts]
@@ -103,9 +103,4 @@ def padded_batch(parts: Sequence[Tuple[PartitionArrays, np.ndarray]], layout, wi
         joined = pieces[0][name] if len(pieces) == 1 else np.concatenate(
             [piece[name] for piece in pieces])
         tensors[name] = torch.from_numpy(joined)
-    targets = {name: tensors.pop(name) for name in layout.targets}
-    if not targets:
-        return tensors, None
-    if len(targets) == 1:
-        return tensors, next(iter(targets.values()))
-    return tensors, targets
+    return tensors
