@@ -15,12 +15,19 @@ import torch
 
 from merlin_t4r_ops.errors import SessionLengthError, T4ROpsError
 from merlin_t4r_ops.sequence import pad_lists_fn
-from merlin_t4r_ops.training.columnar import ColumnLayout, batch_tensors, split_targets
+from merlin_t4r_ops.training.columnar import (
+    ColumnLayout,
+    EpochDataset,
+    PadSpec,
+    batch_tensors,
+    plan_batches,
+    split_targets,
+)
 from merlin_t4r_ops.training.padded_rows import PartitionArrays, padded_batch
 
 LAYOUT = ColumnLayout(
     kinds={"item_id-list": "ragged", "price-list": "ragged", "flag-list": "ragged",
-           "click": "scalar", "rating": "scalar"},
+           "click": "scalar", "rating": "scalar", "seen": "scalar", "price": "scalar"},
     targets=("click",),
 )
 IDS = ("item_id-list",)
@@ -37,6 +44,8 @@ def random_table(rng, rows: int, lengths=None) -> pa.Table:
         "flag-list": lists(pa.array(rng.random(total) > 0.5)),
         "click": pa.array(rng.integers(0, 2, rows), pa.int64()),
         "rating": pa.array(rng.random(rows), pa.float64()),
+        "seen": pa.array(rng.random(rows) > 0.5),  # bool: no zero-copy numpy view
+        "price": pa.array(rng.random(rows), pa.float16()),
     })
 
 
@@ -107,20 +116,32 @@ def test_fixed_lists_and_text_go_the_general_path():
     assert PartitionArrays.of(table, fixed) is None
     names = table.set_column(3, "click", pa.array(list("abcde")))
     assert PartitionArrays.of(names, LAYOUT) is None
+    list_target = ColumnLayout(kinds=LAYOUT.kinds, targets=("price-list",))
+    assert not PartitionArrays.fits(list_target) and not PartitionArrays.fits(fixed)
 
 
-def test_the_loaders_padded_batches_come_from_the_buffers(tmp_path):
-    # So that tests/test_training_columnar.py's comparison with Merlin's loader covers them.
-    import collections
+class TableReader:
+    """Partitions from tables in memory, through the interface ``EpochDataset`` reads by."""
 
-    import t4r_training_factories as factories
-    from merlin_t4r_ops.training import DistributedState
-    from merlin_t4r_ops.training.data import ShardedLoader, as_dataset
+    def __init__(self, tables):
+        self.tables, self.reads = tables, []
 
-    files = factories.write_sessions(str(tmp_path / "train"), 60, sizes=[30, 30])
-    state = DistributedState("single", 0, 0, 1, torch.device("cpu"), "test")
-    loader = ShardedLoader(as_dataset(files), state, 16, ["item_id-list", "category-list"],
-                           ["click"], max_sequence_length=10, shuffle=True)
-    epoch = loader.epoch_dataset(0)
-    _, _, arrays = epoch._partition(0, collections.OrderedDict())
-    assert isinstance(arrays, PartitionArrays)
+    def read(self, partition: int) -> pa.Table:
+        self.reads.append(partition)
+        return self.tables[partition]
+
+
+def test_a_batch_over_more_partitions_than_the_cache_holds_reads_each_once():
+    # Partitions of 5 rows, batches of 16: a batch spans four, the cache keeps two. A null
+    # rating in partition 0 sends the first batch the general path after the buffers' try.
+    rng = np.random.default_rng(5)
+    tables = [random_table(rng, 5) for _ in range(6)]
+    ratings = pa.array([None, 1.0, 2.0, 3.0, 4.0], pa.float64())
+    tables[0] = tables[0].set_column(tables[0].schema.get_field_index("rating"), "rating",
+                                     ratings)
+    reader = TableReader(tables)
+    plan = plan_batches([(p, 0, 5) for p in range(6)], 16, drop_last=False)
+    epoch = EpochDataset(reader, LAYOUT, plan, [5] * 6, seed=0, epoch=0, shuffle=False,
+                         pad=PadSpec(10, tuple(LAYOUT.kinds)[:3], IDS))
+    assert sum(len(y) for _, y in epoch) == 30
+    assert reader.reads == list(range(6))

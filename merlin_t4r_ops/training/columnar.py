@@ -274,7 +274,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
         pad = None
         if self.pad is not None:
             pad = pad_lists_fn(self.pad.width, self.pad.list_columns, self.pad.id_columns)
-        cache = collections.OrderedDict()  # a batch spans at most two partitions in a row
+        cache = collections.OrderedDict()  # the last two partitions read
         for index in range(worker, len(self.plan), workers):
             x, y = self._batch(self.plan[index], cache, pad)
             # From a worker process: one buffer to send and pin, not one per tensor.
@@ -283,17 +283,21 @@ class EpochDataset(torch.utils.data.IterableDataset):
     def _batch(self, segments: Sequence[Segment], cache, pad):
         """The batch padded from its partitions' buffers where it can be (:mod:`.padded_rows`),
         else through ``batch_tensors`` and ``pad``: the same tensors either way."""
-        if pad is not None:
-            parts = []
-            for partition, start, stop in segments:
-                _, order, arrays = self._partition(partition, cache)
-                rows = np.arange(start, stop) if order is None else order[start:stop]
-                parts.append((arrays, rows))
-            if all(arrays is not None for arrays, _ in parts):
-                tensors = padded_batch(parts, self.layout, self.pad.width, self.pad.id_columns)
-                if tensors is not None:
-                    return split_targets(tensors, self.layout)
-        x, y = batch_tensors(self._rows(segments, cache), self.layout)
+        # Each partition fetched once a batch: one that spans more than the cache's two
+        # partitions (partitions smaller than a batch) would otherwise be read again below.
+        pieces = [(self._partition(partition, cache), start, stop)
+                  for partition, start, stop in segments]
+        if pad is not None and all(arrays is not None for (_, _, arrays), _, _ in pieces):
+            parts = [(arrays, _positions(order, start, stop))
+                     for (_, order, arrays), start, stop in pieces]
+            tensors = padded_batch(parts, self.layout, self.pad.width, self.pad.id_columns)
+            if tensors is not None:
+                return split_targets(tensors, self.layout)
+        tables = [table.slice(start, stop - start) if order is None
+                  else table.take(pa.array(order[start:stop]))
+                  for (table, order, _), start, stop in pieces]
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        x, y = batch_tensors(table, self.layout)
         return pad(x, y) if pad else (x, y)
 
     def _partition(self, partition: int, cache):
@@ -308,12 +312,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
                 cache.popitem(last=False)
         return cache[partition]
 
-    def _rows(self, segments: Sequence[Segment], cache) -> pa.Table:
-        tables = []
-        for partition, start, stop in segments:
-            table, order, _ = self._partition(partition, cache)
-            if order is None:
-                tables.append(table.slice(start, stop - start))
-            else:
-                tables.append(table.take(pa.array(order[start:stop])))
-        return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+
+def _positions(order, start: int, stop: int) -> np.ndarray:
+    """Rows ``start..stop`` of a partition in epoch order (``order`` None: stored order)."""
+    return np.arange(start, stop) if order is None else order[start:stop]

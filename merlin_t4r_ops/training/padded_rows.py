@@ -31,21 +31,29 @@ def _numeric(data_type) -> bool:
 class PartitionArrays:
     """A partition's columns as numpy, made once per read: what :func:`padded_batch` gathers.
 
-    ``lists``: name to ``(values, offsets)``, the values with one zero appended (the padding
-    that index -1 reads, as ``_take_padded`` appends it) and int64 offsets from 0; columns
-    whose offsets are equal share one offsets array. ``scalars``: name to values.
+    ``scalars``: name to values. ``values``: list column name to its values with one zero
+    appended (the padding that index -1 reads, as ``_take_padded`` appends it): a copy, so
+    a cached partition's lists are held twice while it is cached. ``offset_groups``:
+    ``(offsets from 0, names)``, one for each set of list columns whose offsets are equal
+    (T4R's features of one session usually are: one gather index serves them all).
     """
 
-    def __init__(self, scalars: Dict[str, np.ndarray],
-                 lists: Dict[str, Tuple[np.ndarray, np.ndarray]]):
-        self.scalars, self.lists = scalars, lists
+    def __init__(self, scalars: Dict[str, np.ndarray], values: Dict[str, np.ndarray],
+                 offset_groups: List[Tuple[np.ndarray, List[str]]]):
+        self.scalars, self.values, self.offset_groups = scalars, values, offset_groups
+
+    @staticmethod
+    def fits(layout) -> bool:
+        """Whether batches of ``layout`` can come from here: ragged lists, scalar targets."""
+        return (all(kind in ("scalar", "ragged") for kind in layout.kinds.values())
+                and all(layout.kinds[name] == "scalar" for name in layout.targets))
 
     @classmethod
     def of(cls, table: pa.Table, layout) -> Optional["PartitionArrays"]:
         """The partition's arrays, or None where the general path must make its batches."""
-        if any(layout.kinds[name] != "scalar" for name in layout.targets):
+        if not cls.fits(layout):
             return None
-        scalars, lists, shared = {}, {}, []
+        scalars, values, groups = {}, {}, []
         for name, kind in layout.kinds.items():
             column = table.column(name).combine_chunks()
             if column.null_count:
@@ -53,22 +61,17 @@ class PartitionArrays:
             if kind == "scalar":
                 if not _numeric(column.type):
                     return None
-                scalars[name] = column.to_numpy()
+                scalars[name] = column.to_numpy(zero_copy_only=False)  # bool needs a copy
                 continue
-            if kind != "ragged" or not (pa.types.is_list(column.type)
-                                        or pa.types.is_large_list(column.type)):
+            if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
                 return None
-            values = column.flatten()
-            if values.null_count or not _numeric(values.type):
+            flat = column.flatten()  # a sliced array's values only
+            if flat.null_count or not _numeric(flat.type):
                 return None
-            offsets = column.offsets.to_numpy().astype(np.int64)
-            offsets -= offsets[0]  # a sliced array's offsets start where its values do
-            offsets = next((o for o in shared if np.array_equal(o, offsets)), offsets)
-            if not any(o is offsets for o in shared):
-                shared.append(offsets)
-            values = values.to_numpy(zero_copy_only=False)
-            lists[name] = (np.concatenate([values, np.zeros(1, values.dtype)]), offsets)
-        return cls(scalars, lists)
+            flat = flat.to_numpy(zero_copy_only=False)
+            values[name] = np.concatenate([flat, np.zeros(1, flat.dtype)])
+            _join_group(groups, _offsets_from_zero(column), name)
+        return cls(scalars, values, groups)
 
     def padded(self, rows: np.ndarray, width: int, id_columns) -> Dict[str, np.ndarray]:
         """``rows``' columns: scalars taken, lists ``[rows, width]`` as the rule crops them.
@@ -78,14 +81,31 @@ class PartitionArrays:
         SessionLengthError
             When the rows' list columns disagree on a session's length.
         """
-        ends = {id(o): o[rows + 1] for _, o in self.lists.values()}
-        lengths = {name: ends[id(o)] - o[rows] for name, (_, o) in self.lists.items()}
+        ends = [offsets[rows + 1] for offsets, _ in self.offset_groups]
+        lengths = {name: end - offsets[rows]
+                   for (offsets, names), end in zip(self.offset_groups, ends) for name in names}
         session = session_lengths(lengths, id_columns)
-        index = {key: _gather_index(end, session, width) for key, end in ends.items()}
         out = {name: values[rows] for name, values in self.scalars.items()}
-        for name, (values, offsets) in self.lists.items():
-            out[name] = values[index[id(offsets)]]  # -1 reads the zero appended last
+        for (_, names), end in zip(self.offset_groups, ends):
+            index = _gather_index(end, session, width)
+            for name in names:
+                out[name] = self.values[name][index]  # -1 reads the zero appended last
         return out
+
+
+def _offsets_from_zero(column: pa.Array) -> np.ndarray:
+    """A list array's offsets as int64 from 0 (a sliced array's start where its values do)."""
+    offsets = column.offsets.to_numpy().astype(np.int64)
+    return offsets - offsets[0]
+
+
+def _join_group(groups: List[Tuple[np.ndarray, List[str]]], offsets: np.ndarray,
+                name: str) -> None:
+    for kept, names in groups:
+        if np.array_equal(kept, offsets):
+            names.append(name)
+            return
+    groups.append((offsets, [name]))
 
 
 def padded_batch(parts: Sequence[Tuple[PartitionArrays, np.ndarray]], layout, width: int,
