@@ -235,16 +235,21 @@ def run_t4r_trainer(setting: Setting, clock: StepClock) -> None:
         trainer.train()
 
 
+def _our_trainer(setting: Setting, clock: StepClock, model=None, **args_overrides):
+    """Our ``Trainer`` (strategy single) on ``setting``'s files, stopped by ``clock``."""
+    from merlin_t4r_ops.training import Trainer
+
+    return _quiet(Trainer(model=model if model is not None else setting.model(),
+                          args=_training_args(setting, **args_overrides),
+                          strategy="single", schema=t4r_schema(),
+                          train_dataset_or_path=setting.files,
+                          callbacks=[_stop_when_done(clock)]))
+
+
 def _our_trainer_runner(**args_overrides) -> Callable[[Setting, StepClock], None]:
     def run(setting: Setting, clock: StepClock) -> None:
         """``merlin_t4r_ops.training.Trainer.train()`` (strategy single)."""
-        from merlin_t4r_ops.training import Trainer
-
-        trainer = _quiet(Trainer(model=setting.model(),
-                                 args=_training_args(setting, **args_overrides),
-                                 strategy="single", schema=t4r_schema(),
-                                 train_dataset_or_path=setting.files,
-                                 callbacks=[_stop_when_done(clock)]))
+        trainer = _our_trainer(setting, clock, **args_overrides)
         with clock.hooked():
             trainer.train()
 
@@ -270,12 +275,8 @@ class _CachedEpoch:
 
 def run_our_trainer_cached(setting: Setting, clock: StepClock) -> None:
     """Our ``Trainer.train()`` over batches already on the device (its defaults otherwise)."""
-    from merlin_t4r_ops.training import Trainer
-
     model = setting.model()
-    trainer = _quiet(Trainer(model=model, args=_training_args(setting), strategy="single",
-                             schema=t4r_schema(), train_dataset_or_path=setting.files,
-                             callbacks=[_stop_when_done(clock)]))
+    trainer = _our_trainer(setting, clock, model)
     batches = _cached_batches(setting, model)
     steps = _epoch_rows(setting) // setting.batch_size
     trainer.train_dataloader = _CachedEpoch(batches, steps, setting.batch_size)
@@ -404,10 +405,10 @@ PATHS: Dict[str, Callable[[Setting, StepClock], None]] = {
     # ... and no gradient clipping (Hugging Face's max_grad_norm=1.0) alone.
     "trainer-fused-no-clip": _our_trainer_runner(optim="adamw_torch_fused", max_grad_norm=0.0),
     # ... and no gradient clipping (Hugging Face's max_grad_norm=1.0): fit's computation.
-    # Our Trainer, its defaults, over batches already on the device: its loop alone.
-    "trainer-cached": run_our_trainer_cached,
     "trainer-as-fit": _our_trainer_runner(optim="adamw_torch_fused", logging_nan_inf_filter=False,
                                           max_grad_norm=0.0),
+    # Our Trainer, its defaults, over batches already on the device: its loop alone.
+    "trainer-cached": run_our_trainer_cached,
     "fit": _fit_runner(),
     "fit-fp16": _fit_runner(amp=True),
     "fit-bf16": _fit_runner(amp="bf16"),

@@ -4,7 +4,9 @@ Merlin 23.08's ``Loader`` turns each chunk of a shard into pandas and flattens e
 column of it through Python objects (``pull_apart_list``: 16 ms a step on the H200 profile
 of issue 22, the GPU idle for seconds at each epoch start). Here a partition is read with
 pyarrow (only its row groups, only the model's columns), a batch's rows are taken from it,
-and a list column becomes tensors from the Arrow offsets and values through numpy.
+and a list column becomes tensors from the Arrow offsets and values through numpy. A padded
+batch of ragged numeric lists skips the take: it is gathered from the partition's own values
+(:mod:`~merlin_t4r_ops.training.padded_rows`), to the same tensors.
 
 The batches are Merlin's, tensor for tensor: the same rows in the same order (the epoch's
 plan, :func:`plan_batches`, cuts the rows :class:`~merlin_t4r_ops.training.data.ShardedLoader`
@@ -36,7 +38,8 @@ from merlin_t4r_ops.sequence import pad_lists_fn
 from merlin_t4r_ops.training.packed import PackedBatch
 from merlin_t4r_ops.training.padded_rows import PartitionArrays, padded_batch
 
-__all__ = ["ColumnLayout", "EpochDataset", "partition_reader", "plan_batches", "batch_tensors"]
+__all__ = ["ColumnLayout", "EpochDataset", "partition_reader", "plan_batches", "batch_tensors",
+           "split_targets"]
 
 # (partition, start, stop): positions start..stop of the partition's rows in epoch order.
 Segment = Tuple[int, int, int]
