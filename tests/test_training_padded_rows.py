@@ -145,3 +145,63 @@ def test_a_batch_over_more_partitions_than_the_cache_holds_reads_each_once():
                          pad=PadSpec(10, tuple(LAYOUT.kinds)[:3], IDS))
     assert sum(len(y) for _, y in epoch) == 30
     assert reader.reads == list(range(6))
+
+
+DEVICES = [
+    pytest.param(torch.device("cpu"), id="cpu"),
+    pytest.param(torch.device("cuda:0"), id="cuda", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU, found none")]),
+]
+
+
+def on_host(batch):
+    x, y = batch
+    return {name: t.cpu() for name, t in x.items()}, y.cpu()
+
+
+def on(device, batch):
+    x, y = batch
+    return all(t.device == device for t in [*x.values(), y])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_batch_gathered_on_the_device_is_the_host_gather(device):
+    rng = np.random.default_rng(6)
+    for width in (1, 10, 40):
+        table = random_table(rng, 300)
+        sliced, rows = table.slice(11, 250), rng.permutation(250)[:60]
+        for pieces in ([(sliced, rows)], [(sliced, rows), (table, rng.permutation(300)[:9])]):
+            parts = [(PartitionArrays.of(t, LAYOUT).to(device), r) for t, r in pieces]
+            got = split_targets(padded_batch(parts, LAYOUT, width, IDS), LAYOUT)
+            assert on(device, got)
+            assert_identical(on_host(got), general(pieces, width))
+
+
+def test_partitions_whose_dtypes_torch_cannot_index_stay_on_the_host():
+    table = random_table(np.random.default_rng(7), 20)
+    table = table.set_column(3, "click", pa.array(np.arange(20, dtype=np.uint32)))
+    arrays = PartitionArrays.of(table, LAYOUT)
+    assert arrays.to(torch.device("cpu")) is arrays and arrays.device is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_epoch_on_a_device_gives_the_host_epochs_batches_there_the_general_paths_too(device):
+    # A null rating sends partition 0's batches the general path; they come on the device too.
+    rng = np.random.default_rng(8)
+    tables = [random_table(rng, 7) for _ in range(4)]
+    tables[0] = tables[0].set_column(tables[0].schema.get_field_index("rating"), "rating",
+                                     pa.array([None] + [1.0] * 6, pa.float64()))
+    plan = plan_batches([(p, 0, 7) for p in range(4)], 5, drop_last=False)
+
+    def epoch(on_device):
+        return list(EpochDataset(TableReader(tables), LAYOUT, plan, [7] * 4, seed=3, epoch=1,
+                                 shuffle=True, pad=PadSpec(10, tuple(LAYOUT.kinds)[:3], IDS),
+                                 device=on_device))
+
+    expected, got = epoch(None), epoch(device)
+    assert len(got) == len(expected) == 6
+    for batch, host in zip(got, expected):
+        assert on(device, batch)
+        # the null rating is NaN on both
+        torch.testing.assert_close(on_host(batch), host, rtol=0, atol=0, equal_nan=True)

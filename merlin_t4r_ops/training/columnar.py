@@ -260,13 +260,18 @@ class EpochDataset(torch.utils.data.IterableDataset):
     shuffle : bool
         Rows of a partition in :func:`partition_rows` order.
     pad : PadSpec, optional
+    device : torch.device, optional
+        Make every batch on this device: a padded batch is gathered there
+        (:meth:`~.padded_rows.PartitionArrays.to`), any other copied there. In this process
+        only: a worker process cannot hold CUDA tensors it made for the parent.
     """
 
-    def __init__(self, reader, layout, plan, lengths, seed, epoch, shuffle, pad=None):
+    def __init__(self, reader, layout, plan, lengths, seed, epoch, shuffle, pad=None,
+                 device=None):
         super().__init__()
         self.reader, self.layout, self.plan = reader, layout, plan
         self.lengths, self.seed, self.epoch, self.shuffle = lengths, seed, epoch, shuffle
-        self.pad = pad
+        self.pad, self.device = pad, device
 
     def __len__(self) -> int:
         return len(self.plan)
@@ -274,6 +279,9 @@ class EpochDataset(torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        if info and self.device is not None:
+            raise ValueError("an EpochDataset with a device makes its batches in this process: "
+                             "read it with num_workers=0")
         pad = None
         if self.pad is not None:
             pad = pad_lists_fn(self.pad.width, self.pad.list_columns, self.pad.id_columns)
@@ -301,7 +309,8 @@ class EpochDataset(torch.utils.data.IterableDataset):
                   for (table, order, _), start, stop in pieces]
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         x, y = batch_tensors(table, self.layout)
-        return pad(x, y) if pad else (x, y)
+        x, y = pad(x, y) if pad else (x, y)
+        return (x, y) if self.device is None else _on_device((x, y), self.device)
 
     def _partition(self, partition: int, cache):
         """``(table, row order, PartitionArrays or None)`` of a partition, read once."""
@@ -310,10 +319,25 @@ class EpochDataset(torch.utils.data.IterableDataset):
             order = partition_rows(partition, self.lengths[partition], self.seed, self.epoch,
                                    self.shuffle)
             arrays = PartitionArrays.of(table, self.layout) if self.pad is not None else None
+            if arrays is not None and self.device is not None:
+                arrays = arrays.to(self.device)
             cache[partition] = (table, order, arrays)
             while len(cache) > 2:
                 cache.popitem(last=False)
         return cache[partition]
+
+
+def _on_device(batch, device: torch.device):
+    """``(x, y)``'s tensors copied to ``device`` (from pinned memory to a GPU)."""
+    def move(tensor):
+        if device.type == "cuda":
+            tensor = tensor.pin_memory()
+        return tensor.to(device, non_blocking=True)
+    x, y = batch
+    x = {name: move(tensor) for name, tensor in x.items()}
+    y = {name: move(t) for name, t in y.items()} if isinstance(y, dict) else (
+        None if y is None else move(y))
+    return x, y
 
 
 def _positions(order, start: int, stop: int) -> np.ndarray:

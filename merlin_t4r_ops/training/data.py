@@ -312,6 +312,13 @@ class ShardedLoader:
     pin_memory : bool, optional
         Batches in page-locked memory, so that ``to_device(..., non_blocking=True)``
         copies overlap the step. Default: when ``state.device`` is CUDA.
+    device_batches : bool, optional
+        Make the batches on ``state.device``: a padded batch of ragged numeric lists is
+        gathered there from its partition's values, copied there once per read (one
+        upload of positions a batch instead of a numpy gather and a pinned copy of every
+        column), any other batch is copied there. Default: on a CUDA device with no
+        workers, except under ``dp``, whose batches DataParallel scatters from the host.
+        ``False`` keeps batches on the host (pinned, as ``pin_memory`` says).
 
     Notes
     -----
@@ -334,6 +341,7 @@ class ShardedLoader:
         equal_shards: bool = False,
         num_workers: Optional[int] = None,
         pin_memory: Optional[bool] = None,
+        device_batches: Optional[bool] = None,
     ):
         from merlin.schema import Tags
 
@@ -381,6 +389,7 @@ class ShardedLoader:
                 stacklevel=2)
         on_cuda = state.device.type == "cuda"
         self.pin_memory = on_cuda if pin_memory is None else bool(pin_memory) and on_cuda
+        self.device_batches = _device_batches(device_batches, state, self.num_workers)
         self._reader = partition_reader(dataset, schema.column_names, self.partition_lengths)
         self._layout = ColumnLayout.from_schema(schema)
         self._passes = weakref.WeakSet()
@@ -440,6 +449,7 @@ class ShardedLoader:
         return EpochDataset(
             self._reader, self._layout, plan_batches(pieces, self.batch_size, self.drop_last),
             self.partition_lengths, self.seed, epoch, self.shuffle, pad,
+            device=self.state.device if self.device_batches else None,
         )
 
     def _open_batches(self, epoch: int, skip_rows: int):
@@ -448,7 +458,8 @@ class ShardedLoader:
             return None
         workers = min(self.num_workers, len(batches))  # a worker without a batch costs a start
         loader = torch.utils.data.DataLoader(
-            batches, batch_size=None, num_workers=workers, pin_memory=self.pin_memory,
+            batches, batch_size=None, num_workers=workers,
+            pin_memory=self.pin_memory and not self.device_batches,
             # Its own generator: each pass would otherwise draw a seed from torch's global
             # RNG, moving the model's random stream (MLM masks, dropout) by one draw a pass.
             generator=torch.Generator(),
@@ -457,6 +468,16 @@ class ShardedLoader:
 
     def _batches(self, epoch: int, skip_rows: int) -> EpochBatches:
         return EpochBatches(lambda: self._open_batches(epoch, skip_rows))
+
+
+def _device_batches(asked: Optional[bool], state: DistributedState, workers: int) -> bool:
+    """Whether batches are made on ``state.device`` (see :class:`ShardedLoader`)."""
+    if asked is None:
+        return state.device.type == "cuda" and workers == 0 and state.strategy != "dp"
+    if asked and workers:
+        raise ValueError(f"device_batches=True makes batches in this process; it takes "
+                         f"num_workers=0, got num_workers={workers}")
+    return bool(asked)
 
 
 def _after_rows(pieces, skip_rows: int) -> List[Tuple[int, int, int]]:
@@ -513,6 +534,7 @@ def make_loader(
     schema=None,
     num_workers: Optional[int] = None,
     pin_memory: Optional[bool] = None,
+    device_batches: Optional[bool] = None,
 ) -> Union[ShardedLoader, Iterable]:
     """Turn ``data`` into this rank's batches for ``model``.
 
@@ -534,7 +556,7 @@ def make_loader(
         See :class:`ShardedLoader`.
     schema : optional
         Replaces the dataset's own schema (see :func:`as_dataset`).
-    num_workers, pin_memory : optional
+    num_workers, pin_memory, device_batches : optional
         See :class:`ShardedLoader`.
     """
     from merlin.io import Dataset
@@ -566,6 +588,7 @@ def make_loader(
         equal_shards=equal_shards,
         num_workers=num_workers,
         pin_memory=pin_memory,
+        device_batches=device_batches,
     )
 
 
