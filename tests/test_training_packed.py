@@ -72,7 +72,7 @@ def test_pinned_batches_from_workers_equal_the_in_process_ones(tmp_path):
     def batches(workers):
         return list(ShardedLoader(as_dataset(path), state, 16, ["item_id-list", "category-list"],
                                   ["click"], max_sequence_length=10, num_workers=workers,
-                                  pin_memory=bool(workers)))
+                                  pin_memory=bool(workers), device_batches=False))
 
     expected, got = batches(0), batches(2)
     assert len(got) == len(expected) == 4
