@@ -122,7 +122,7 @@ def receiving(folder: str, args) -> None:
 
     files = write_copies(os.path.join(folder, "t4r"), copies=8)
     loader = make_loader(files, build_model(64), resolve_strategy("single"),
-                         batch_size=args.batch_size, drop_last=True)
+                         batch_size=args.batch_size, drop_last=True, device_batches=False)
     batches = min(len(loader) - 1, 16)
     print(f"\nReceiving {batches} batches of {args.batch_size} sessions of T4R's testing data "
           f"from {args.workers} workers, ms per batch in the training process")

@@ -95,7 +95,7 @@ def test_fit_loader_trainer_loader_and_operator_keep_the_same_most_recent_items(
 ):
     data, model = long_sessions, long_sessions["model"]
     fit_batch, _ = next(iter(make_loader(data["path"], model, resolve_strategy("single"),
-                                         batch_size=len(SESSIONS))))
+                                         batch_size=len(SESSIONS), device_batches=False)))
     trainer_batch = _trainer_batch(data, tmp_path, trainer_args_width)
     op = PredictT4RPyTorch(model)
     served = to_model_inputs(TensorTable.from_df(data["df"]), input_specs(model.input_schema),
@@ -126,7 +126,7 @@ def test_right_padded_fixed_width_lists_are_cropped_alike_in_the_loader_and_the_
     TensorflowMetadata.from_merlin_schema(fixed).to_proto_text_file(str(tmp_path))
 
     batch, _ = next(iter(make_loader(str(tmp_path), model, resolve_strategy("single"),
-                                     batch_size=len(SESSIONS))))
+                                     batch_size=len(SESSIONS), device_batches=False)))
     served = to_model_inputs(TensorTable(padded), input_specs(model.input_schema), WIDTH, CPU)
     for name in padded:
         expected = _most_recent(long_sessions["df"][name], WIDTH)
@@ -275,7 +275,8 @@ def t4r_testing_data(tmp_path_factory):
 
 def test_tutorial_model_gets_dense_batches_that_a_dataparallel_split_keeps_whole(t4r_testing_data):
     path, model = t4r_testing_data
-    loader = make_loader(path, model, resolve_strategy("single"), batch_size=32)
+    loader = make_loader(path, model, resolve_strategy("single"), batch_size=32,
+                         device_batches=False)
     batch, _ = next(iter(loader))
     lists = [c.name for c in model.input_schema if c.is_list]
     assert not [k for k in batch if k.endswith(("__values", "__offsets"))]
@@ -347,7 +348,7 @@ def _quantity_batches(tmp_path, columns):
 
     def trained():
         return next(iter(make_loader(str(tmp_path), model, resolve_strategy("single"),
-                                     batch_size=8)))[0]
+                                     batch_size=8, device_batches=False)))[0]
 
     def served():
         table = TensorTable({k: np.array(v, dtype=np.int64) for k, v in columns.items()})

@@ -41,7 +41,8 @@ def music_args(output_dir):
 
 
 def batches(model, schema=MUSIC.merlin_schema):
-    return list(make_loader(MUSIC.path, model, resolve_strategy("single"), batch_size=250, schema=schema))
+    return list(make_loader(MUSIC.path, model, resolve_strategy("single"), batch_size=250,
+                            schema=schema, device_batches=False))
 
 
 def test_the_task_target_is_the_batch_target_and_no_target_is_a_feature():

@@ -26,15 +26,29 @@ def loader(path, state, **options):
                          ["click"], max_sequence_length=10, shuffle=True, **options)
 
 
-@pytest.mark.parametrize("strategy, device, workers, expected", [
-    ("single", CUDA, 0, True), ("ddp", CUDA, 0, True), ("dp", CUDA, 0, False),
-    ("single", CUDA, 2, False), ("single", CPU, 0, False),
+@pytest.mark.parametrize("strategy, device, workers, pin, expected", [
+    ("single", CUDA, 0, None, True), ("ddp", CUDA, 0, True, True), ("dp", CUDA, 0, None, False),
+    ("single", CUDA, 2, None, False), ("single", CPU, 0, None, False),
+    ("single", CUDA, 0, False, False),  # its uploads would pin
 ])
-def test_batches_are_made_on_a_cuda_device_by_default_without_workers_or_dp(
-        tmp_path, strategy, device, workers, expected):
+def test_batches_are_made_on_a_cuda_device_by_default_without_workers_dp_or_pin_memory_off(
+        tmp_path, strategy, device, workers, pin, expected):
     path = factories.write_sessions(str(tmp_path / "train"), 32, n_files=2)
-    made = loader(path, state(strategy, device), num_workers=workers)
+    made = loader(path, state(strategy, device), num_workers=workers, pin_memory=pin)
     assert made.device_batches is expected
+
+
+def test_the_loaders_batches_are_made_on_the_device_it_is_given(tmp_path):
+    """On ``meta`` (shapes, no values): the CPU's CI sees the loader hand the device's batches."""
+    path = factories.write_sessions(str(tmp_path / "train"), 40, n_files=2)
+    meta = torch.device("meta")
+    made = list(loader(path, state(device=meta), device_batches=True))
+    host = list(loader(path, state(), device_batches=False))
+    assert len(made) == len(host) == 3
+    for (x, y), (ex, ey) in zip(made, host):
+        assert list(x) == list(ex)
+        assert all(t.device == meta and t.shape == e.shape and t.dtype == e.dtype
+                   for t, e in [*zip(x.values(), ex.values()), (y, ey)])
 
 
 def test_device_batches_with_workers_is_refused_naming_both(tmp_path):

@@ -178,11 +178,12 @@ def test_a_batch_gathered_on_the_device_is_the_host_gather(device):
             assert_identical(on_host(got), general(pieces, width))
 
 
-def test_partitions_whose_dtypes_torch_cannot_index_stay_on_the_host():
+def test_columns_whose_dtypes_torch_may_not_index_on_the_device_stay_on_the_host():
     table = random_table(np.random.default_rng(7), 20)
     table = table.set_column(3, "click", pa.array(np.arange(20, dtype=np.uint32)))
-    arrays = PartitionArrays.of(table, LAYOUT)
-    assert arrays.to(torch.device("cpu")) is arrays and arrays.device is None
+    moved = PartitionArrays.of(table, LAYOUT).to(torch.device("meta"))
+    assert isinstance(moved.scalars["click"], np.ndarray)
+    assert all(isinstance(moved.scalars[name], torch.Tensor) for name in ("rating", "seen"))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -205,3 +206,56 @@ def test_an_epoch_on_a_device_gives_the_host_epochs_batches_there_the_general_pa
         assert on(device, batch)
         # the null rating is NaN on both
         torch.testing.assert_close(on_host(batch), host, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("odd_partitions", ["a null rating", "uint32 clicks"])
+def test_an_epoch_on_a_device_without_a_gpu_meta_holds_every_tensor_there_in_the_hosts_layout(
+        odd_partitions):
+    """On torch's ``meta`` device (shapes, no values) the CPU's CI sees what a GPU run gets:
+    each batch's tensors on the device, in the host batch's keys, dtypes and shapes: batches
+    from the general path (a null in partition 0), and uint32 columns, which ``to`` leaves on
+    the host, included."""
+    rng = np.random.default_rng(9)
+    tables = [random_table(rng, 7) for _ in range(4)]
+    if odd_partitions == "a null rating":
+        tables[0] = tables[0].set_column(tables[0].schema.get_field_index("rating"), "rating",
+                                         pa.array([None] + [1.0] * 6, pa.float64()))
+    else:
+        tables = [t.set_column(3, "click", pa.array(np.arange(7, dtype=np.uint32)))
+                  for t in tables]
+    plan = plan_batches([(p, 0, 7) for p in range(4)], 5, drop_last=False)
+    meta = torch.device("meta")
+
+    def epoch(device):
+        return list(EpochDataset(TableReader(tables), LAYOUT, plan, [7] * 4, seed=3, epoch=1,
+                                 shuffle=True, pad=PadSpec(10, tuple(LAYOUT.kinds)[:3], IDS),
+                                 device=device))
+
+    expected, got = epoch(None), epoch(meta)
+    assert len(got) == len(expected) == 6
+    for (x, y), (ex, ey) in zip(got, expected):
+        assert list(x) == list(ex)
+        for tensor, host in [*zip(x.values(), ex.values()), (y, ey)]:
+            assert tensor.device == meta and tensor.dtype == host.dtype
+            assert tensor.shape == host.shape
+
+
+def test_partition_arrays_moved_to_a_device_gather_there():
+    arrays = PartitionArrays.of(random_table(np.random.default_rng(10), 30), LAYOUT)
+    moved = arrays.to(torch.device("meta"))
+    assert moved.device == torch.device("meta") and arrays.device is None
+    out = moved.padded(np.arange(30)[::-1].copy(), 10, IDS)
+    assert {t.device.type for t in out.values()} == {"meta"}
+    assert out["item_id-list"].shape == (30, 10)
+
+
+def test_a_batch_over_partitions_that_store_a_column_in_other_dtypes_is_promoted_as_on_the_host():
+    rng = np.random.default_rng(11)
+    first, second = random_table(rng, 9), random_table(rng, 9)
+    second = second.set_column(3, "click", pa.array(np.arange(9, dtype=np.uint32)))
+    pieces = [(first, rng.permutation(9)[:6]), (second, rng.permutation(9)[:4])]
+    host = fast(pieces, 10)
+    parts = [(PartitionArrays.of(t, LAYOUT).to(torch.device("cpu")), r) for t, r in pieces]
+    on_device = split_targets(padded_batch(parts, LAYOUT, 10, IDS), LAYOUT)
+    assert host[1].dtype == torch.int64
+    assert_identical(on_device, host)

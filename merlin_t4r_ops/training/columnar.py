@@ -303,7 +303,9 @@ class EpochDataset(torch.utils.data.IterableDataset):
                      for (_, order, arrays), start, stop in pieces]
             tensors = padded_batch(parts, self.layout, self.pad.width, self.pad.id_columns)
             if tensors is not None:
-                return split_targets(tensors, self.layout)
+                batch = split_targets(tensors, self.layout)
+                # A partition whose dtypes torch cannot index on the device stays on the host.
+                return batch if self.device is None else _on_device(batch, self.device)
         tables = [table.slice(start, stop - start) if order is None
                   else table.take(pa.array(order[start:stop]))
                   for (table, order, _), start, stop in pieces]
@@ -328,8 +330,10 @@ class EpochDataset(torch.utils.data.IterableDataset):
 
 
 def _on_device(batch, device: torch.device):
-    """``(x, y)``'s tensors copied to ``device`` (from pinned memory to a GPU)."""
+    """``(x, y)``'s tensors on ``device``: those elsewhere copied (from pinned memory to a GPU)."""
     def move(tensor):
+        if tensor.device == device:
+            return tensor
         if device.type == "cuda":
             tensor = tensor.pin_memory()
         return tensor.to(device, non_blocking=True)

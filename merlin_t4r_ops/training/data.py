@@ -316,9 +316,11 @@ class ShardedLoader:
         Make the batches on ``state.device``: a padded batch of ragged numeric lists is
         gathered there from its partition's values, copied there once per read (one
         upload of positions a batch instead of a numpy gather and a pinned copy of every
-        column), any other batch is copied there. Default: on a CUDA device with no
-        workers, except under ``dp``, whose batches DataParallel scatters from the host.
-        ``False`` keeps batches on the host (pinned, as ``pin_memory`` says).
+        column), any other batch is copied there. The last two partitions read hold their
+        list values on the GPU while they are cached, and each one's upload waits for the
+        GPU. Default: on a CUDA device with no workers and ``pin_memory`` not False, except
+        under ``dp``, whose batches DataParallel scatters from the host. ``False`` keeps
+        batches on the host (pinned, as ``pin_memory`` says).
 
     Notes
     -----
@@ -389,7 +391,8 @@ class ShardedLoader:
                 stacklevel=2)
         on_cuda = state.device.type == "cuda"
         self.pin_memory = on_cuda if pin_memory is None else bool(pin_memory) and on_cuda
-        self.device_batches = _device_batches(device_batches, state, self.num_workers)
+        self.device_batches = _device_batches(device_batches, state, self.num_workers,
+                                              pin_memory)
         self._reader = partition_reader(dataset, schema.column_names, self.partition_lengths)
         self._layout = ColumnLayout.from_schema(schema)
         self._passes = weakref.WeakSet()
@@ -470,10 +473,12 @@ class ShardedLoader:
         return EpochBatches(lambda: self._open_batches(epoch, skip_rows))
 
 
-def _device_batches(asked: Optional[bool], state: DistributedState, workers: int) -> bool:
+def _device_batches(asked: Optional[bool], state: DistributedState, workers: int,
+                    pin_memory: Optional[bool]) -> bool:
     """Whether batches are made on ``state.device`` (see :class:`ShardedLoader`)."""
     if asked is None:
-        return state.device.type == "cuda" and workers == 0 and state.strategy != "dp"
+        return (state.device.type == "cuda" and workers == 0 and state.strategy != "dp"
+                and pin_memory is not False)  # its uploads are pinned
     if asked and workers:
         raise ValueError(f"device_batches=True makes batches in this process; it takes "
                          f"num_workers=0, got num_workers={workers}")

@@ -80,18 +80,17 @@ class PartitionArrays:
         return cls(scalars, values, groups)
 
     def to(self, device: torch.device) -> "PartitionArrays":
-        """These arrays with the scalars and values as tensors on ``device`` (the offsets
-        stay numpy: the index math runs on the host), or themselves where a dtype has no
-        torch indexing (unsigned wider than a byte)."""
-        arrays = [*self.scalars.values(), *self.values.values()]
-        if any(a.dtype.kind == "u" and a.itemsize > 1 for a in arrays):
-            return self
-        moved = PartitionArrays(
-            {name: torch.tensor(a, device=device) for name, a in self.scalars.items()},
-            {name: torch.tensor(a, device=device) for name, a in self.values.items()},
-            self.offset_groups)
-        moved.device = torch.device(device)
-        return moved
+        """These arrays gathered on ``device``: scalars and values as tensors there, but for
+        dtypes torch may not index there (unsigned wider than a byte), which stay numpy and
+        are gathered on the host. The offsets stay numpy: the index math runs on the host."""
+        def moved(a):
+            return a if a.dtype.kind == "u" and a.itemsize > 1 else torch.tensor(a, device=device)
+
+        arrays = PartitionArrays({name: moved(a) for name, a in self.scalars.items()},
+                                 {name: moved(a) for name, a in self.values.items()},
+                                 self.offset_groups)
+        arrays.device = torch.device(device)
+        return arrays
 
     def padded(self, rows: np.ndarray, width: int, id_columns) -> Dict[str, np.ndarray]:
         """``rows``' columns: scalars taken, lists ``[rows, width]`` as the rule crops them
@@ -106,26 +105,29 @@ class PartitionArrays:
         lengths = {name: end - offsets[rows]
                    for (offsets, names), end in zip(self.offset_groups, ends) for name in names}
         session = session_lengths(lengths, id_columns)
-        indices = [_gather_index(end, session, width) for end in ends]
-        if self.device is not None:
-            rows, indices = _upload([rows, *indices], self.device)
-        out = {name: values[rows] for name, values in self.scalars.items()}
-        for (_, names), index in zip(self.offset_groups, indices):
+        on_host = [rows, *(_gather_index(end, session, width) for end in ends)]
+        # Where the values are: positions on the device for tensors, on the host for numpy.
+        on_device = on_host if self.device is None else _upload(on_host, self.device)
+
+        def positions(values, which):
+            return on_host[which] if isinstance(values, np.ndarray) else on_device[which]
+
+        out = {name: values[positions(values, 0)] for name, values in self.scalars.items()}
+        for group, (_, names) in enumerate(self.offset_groups, start=1):
             for name in names:
-                out[name] = self.values[name][index]  # -1 reads the zero appended last
+                values = self.values[name]
+                out[name] = values[positions(values, group)]  # -1 reads the zero appended last
         return out
 
 
-def _upload(arrays: List[np.ndarray], device: torch.device):
-    """``arrays`` (int64) as tensors on ``device``, in one copy from pinned memory: the
-    first, then a list of the rest."""
+def _upload(arrays: List[np.ndarray], device: torch.device) -> List[torch.Tensor]:
+    """``arrays`` (int64) as tensors on ``device``, in one copy from pinned memory."""
     joined = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int64))
     if device.type == "cuda":
         joined = joined.pin_memory()
     joined = joined.to(device, non_blocking=True)
-    tensors = [part.view(a.shape) for part, a in
-               zip(joined.split([a.size for a in arrays]), arrays)]
-    return tensors[0], tensors[1:]
+    return [part.view(a.shape) for part, a in
+            zip(joined.split([a.size for a in arrays]), arrays)]
 
 
 def _offsets_from_zero(column: pa.Array) -> np.ndarray:
@@ -153,12 +155,20 @@ def padded_batch(parts: Sequence[Tuple[PartitionArrays, np.ndarray]], layout, wi
             arrays.padded(rows, width, id_columns) for arrays, rows in parts]
     except SessionLengthError:
         return None
-    tensors = {}
-    for name in layout.kinds:
-        columns = [piece[name] for piece in pieces]
-        if len(columns) > 1:
-            columns = [torch.cat(columns) if isinstance(columns[0], torch.Tensor)
-                       else np.concatenate(columns)]
-        tensors[name] = (columns[0] if isinstance(columns[0], torch.Tensor)
-                         else torch.from_numpy(columns[0]))
-    return tensors
+    return {name: _joined([piece[name] for piece in pieces]) for name in layout.kinds}
+
+
+def _joined(columns: list) -> torch.Tensor:
+    """One column of a batch from its partitions' pieces: numpy joined on the host, tensors
+    on their device."""
+    if all(isinstance(column, np.ndarray) for column in columns):
+        return torch.from_numpy(columns[0] if len(columns) == 1 else np.concatenate(columns))
+    if len(columns) == 1:
+        return columns[0]
+    tensors = [torch.from_numpy(c) if isinstance(c, np.ndarray) else c for c in columns]
+    if len({tensor.dtype for tensor in tensors}) > 1:
+        # Files that store the column in other dtypes: numpy promotes them, as on the host
+        # (torch does not promote the unsigned dtypes). Rare enough to wait for the device.
+        return torch.from_numpy(np.concatenate([tensor.cpu().numpy() for tensor in tensors]))
+    device = next(c.device for c in columns if isinstance(c, torch.Tensor))
+    return torch.cat([tensor.to(device) for tensor in tensors])

@@ -187,6 +187,8 @@ class Trainer(T4RTrainer):
             # Hugging Face's own loader options, read as its DataLoader reads them.
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
+            # Made on the GPU only where the step runs there (not under no_cuda on a GPU host).
+            device_batches=None if self.args.device == self.dist_state.device else False,
         )
         self._loaders.add(loader)
         return loader
@@ -299,10 +301,11 @@ class Trainer(T4RTrainer):
     # ---- training and evaluation steps ---------------------------------------------------
 
     def _prepare_input(self, data):
-        """Hugging Face's, with tensors copied ``non_blocking``: from the loader's pinned
-        memory the copy then overlaps the GPU's work (DeepSpeed's dtype casts stay its own)."""
+        """Hugging Face's, with tensors copied to a GPU ``non_blocking``: from the loader's
+        pinned memory the copy then overlaps the GPU's work (DeepSpeed's dtype casts stay its
+        own). A copy to the CPU blocks, as Hugging Face's does: the step reads it at once."""
         if isinstance(data, torch.Tensor) and not self.is_deepspeed_enabled:
-            return data.to(self.args.device, non_blocking=True)
+            return data.to(self.args.device, non_blocking=self.args.device.type == "cuda")
         return super()._prepare_input(data)
 
     def _wrap_model(self, model, training=True, dataloader=None):
