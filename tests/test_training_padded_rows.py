@@ -186,21 +186,28 @@ def test_columns_whose_dtypes_torch_may_not_index_on_the_device_stay_on_the_host
     assert all(isinstance(moved.scalars[name], torch.Tensor) for name in ("rating", "seen"))
 
 
+def seven_row_partitions(rng, null_rating: bool):
+    """Four partitions of 7 rows; a null rating sends partition 0 the general path."""
+    tables = [random_table(rng, 7) for _ in range(4)]
+    if null_rating:
+        tables[0] = tables[0].set_column(tables[0].schema.get_field_index("rating"), "rating",
+                                         pa.array([None] + [1.0] * 6, pa.float64()))
+    return tables
+
+
+def epoch_of(tables, device):
+    """A shuffled epoch's batches of 5 over ``tables``, made on ``device`` (None: the host)."""
+    plan = plan_batches([(p, 0, 7) for p in range(len(tables))], 5, drop_last=False)
+    return list(EpochDataset(TableReader(tables), LAYOUT, plan, [7] * len(tables), seed=3,
+                             epoch=1, shuffle=True, pad=PadSpec(10, tuple(LAYOUT.kinds)[:3], IDS),
+                             device=device))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_an_epoch_on_a_device_gives_the_host_epochs_batches_there_the_general_paths_too(device):
     # A null rating sends partition 0's batches the general path; they come on the device too.
-    rng = np.random.default_rng(8)
-    tables = [random_table(rng, 7) for _ in range(4)]
-    tables[0] = tables[0].set_column(tables[0].schema.get_field_index("rating"), "rating",
-                                     pa.array([None] + [1.0] * 6, pa.float64()))
-    plan = plan_batches([(p, 0, 7) for p in range(4)], 5, drop_last=False)
-
-    def epoch(on_device):
-        return list(EpochDataset(TableReader(tables), LAYOUT, plan, [7] * 4, seed=3, epoch=1,
-                                 shuffle=True, pad=PadSpec(10, tuple(LAYOUT.kinds)[:3], IDS),
-                                 device=on_device))
-
-    expected, got = epoch(None), epoch(device)
+    tables = seven_row_partitions(np.random.default_rng(8), null_rating=True)
+    expected, got = epoch_of(tables, None), epoch_of(tables, device)
     assert len(got) == len(expected) == 6
     for batch, host in zip(got, expected):
         assert on(device, batch)
@@ -215,23 +222,13 @@ def test_an_epoch_on_a_device_without_a_gpu_meta_holds_every_tensor_there_in_the
     each batch's tensors on the device, in the host batch's keys, dtypes and shapes: batches
     from the general path (a null in partition 0), and uint32 columns, which ``to`` leaves on
     the host, included."""
-    rng = np.random.default_rng(9)
-    tables = [random_table(rng, 7) for _ in range(4)]
-    if odd_partitions == "a null rating":
-        tables[0] = tables[0].set_column(tables[0].schema.get_field_index("rating"), "rating",
-                                         pa.array([None] + [1.0] * 6, pa.float64()))
-    else:
+    null_rating = odd_partitions == "a null rating"
+    tables = seven_row_partitions(np.random.default_rng(9), null_rating)
+    if not null_rating:
         tables = [t.set_column(3, "click", pa.array(np.arange(7, dtype=np.uint32)))
                   for t in tables]
-    plan = plan_batches([(p, 0, 7) for p in range(4)], 5, drop_last=False)
     meta = torch.device("meta")
-
-    def epoch(device):
-        return list(EpochDataset(TableReader(tables), LAYOUT, plan, [7] * 4, seed=3, epoch=1,
-                                 shuffle=True, pad=PadSpec(10, tuple(LAYOUT.kinds)[:3], IDS),
-                                 device=device))
-
-    expected, got = epoch(None), epoch(meta)
+    expected, got = epoch_of(tables, None), epoch_of(tables, meta)
     assert len(got) == len(expected) == 6
     for (x, y), (ex, ey) in zip(got, expected):
         assert list(x) == list(ex)
