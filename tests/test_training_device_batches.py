@@ -13,6 +13,7 @@ import t4r_training_factories as factories
 from merlin_reference import identical
 from merlin_t4r_ops.training import DistributedState
 from merlin_t4r_ops.training.data import ShardedLoader, as_dataset
+from merlin_t4r_ops.training.padded_rows import PartitionArrays
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda:0")
 
@@ -38,11 +39,17 @@ def test_batches_are_made_on_a_cuda_device_by_default_without_workers_dp_or_pin_
     assert made.device_batches is expected
 
 
-def test_the_loaders_batches_are_made_on_the_device_it_is_given(tmp_path):
-    """On ``meta`` (shapes, no values): the CPU's CI sees the loader hand the device's batches."""
+def test_the_loaders_batches_are_gathered_on_the_device_it_is_given(tmp_path, monkeypatch):
+    """On ``meta`` (shapes, no values): the CPU's CI sees the loader hand the device's batches,
+    gathered there from partitions moved there (not gathered on the host and copied)."""
     path = factories.write_sessions(str(tmp_path / "train"), 40, n_files=2)
     meta = torch.device("meta")
+    moved = []
+    to = PartitionArrays.to
+    monkeypatch.setattr(PartitionArrays, "to", lambda self, device: moved.append(device) or to(
+        self, device))
     made = list(loader(path, state(device=meta), device_batches=True))
+    assert moved == [meta, meta]  # each of the two partitions, once
     host = list(loader(path, state(), device_batches=False))
     assert len(made) == len(host) == 3
     for (x, y), (ex, ey) in zip(made, host):

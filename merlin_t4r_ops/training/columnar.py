@@ -304,7 +304,8 @@ class EpochDataset(torch.utils.data.IterableDataset):
             tensors = padded_batch(parts, self.layout, self.pad.width, self.pad.id_columns)
             if tensors is not None:
                 batch = split_targets(tensors, self.layout)
-                # A partition whose dtypes torch cannot index on the device stays on the host.
+                # Columns that ``PartitionArrays.to`` left on the host, and columns joined there
+                # (partitions of other dtypes), are copied now.
                 return batch if self.device is None else _on_device(batch, self.device)
         tables = [table.slice(start, stop - start) if order is None
                   else table.take(pa.array(order[start:stop]))
@@ -330,9 +331,10 @@ class EpochDataset(torch.utils.data.IterableDataset):
 
 
 def _on_device(batch, device: torch.device):
-    """``(x, y)``'s tensors on ``device``: those elsewhere copied (from pinned memory to a GPU)."""
+    """``(x, y)``'s tensors on ``device``: those on the host copied (from pinned memory to a
+    GPU); those gathered on the device already kept (``cuda`` and ``cuda:0`` compare unequal)."""
     def move(tensor):
-        if tensor.device == device:
+        if tensor.device.type != "cpu" or device.type == "cpu":
             return tensor
         if device.type == "cuda":
             tensor = tensor.pin_memory()

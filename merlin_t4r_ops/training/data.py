@@ -316,11 +316,12 @@ class ShardedLoader:
         Make the batches on ``state.device``: a padded batch of ragged numeric lists is
         gathered there from its partition's values, copied there once per read (one
         upload of positions a batch instead of a numpy gather and a pinned copy of every
-        column), any other batch is copied there. The last two partitions read hold their
-        list values on the GPU while they are cached, and each one's upload waits for the
-        GPU. Default: on a CUDA device with no workers and ``pin_memory`` not False, except
-        under ``dp``, whose batches DataParallel scatters from the host. ``False`` keeps
-        batches on the host (pinned, as ``pin_memory`` says).
+        column), any other batch is copied there. The partitions cached (the last two read,
+        three while the next one is read) hold their columns on the GPU, and each one's
+        upload waits for the GPU. Default: on a CUDA device with no workers and
+        ``pin_memory`` not False, except under ``dp``, whose batches DataParallel scatters
+        from the host. ``True`` pins its uploads whatever ``pin_memory`` says; ``False``
+        keeps batches on the host (pinned, as ``pin_memory`` says).
 
     Notes
     -----

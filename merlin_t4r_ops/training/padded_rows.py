@@ -16,7 +16,7 @@ where a host gather costs a numpy gather a column, then pinning and copying ever
 (3-4 ms of a 1024-session step on the H100 host's profile, issue 22).
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +27,8 @@ from merlin_t4r_ops.sequence import _gather_index, session_lengths
 
 __all__ = ["PartitionArrays", "padded_batch"]
 
+ArrayOrTensor = Union[np.ndarray, torch.Tensor]
+
 
 def _numeric(data_type) -> bool:
     return (pa.types.is_integer(data_type) or pa.types.is_floating(data_type)
@@ -34,7 +36,8 @@ def _numeric(data_type) -> bool:
 
 
 class PartitionArrays:
-    """A partition's columns as numpy, made once per read: what :func:`padded_batch` gathers.
+    """A partition's columns, made once per read: what :func:`padded_batch` gathers. As numpy,
+    or (:meth:`to`) as tensors on a device.
 
     ``scalars``: name to values. ``values``: list column name to its values with one zero
     appended (the padding that index -1 reads, as ``_take_padded`` appends it): a copy, so
@@ -92,7 +95,7 @@ class PartitionArrays:
         arrays.device = torch.device(device)
         return arrays
 
-    def padded(self, rows: np.ndarray, width: int, id_columns) -> Dict[str, np.ndarray]:
+    def padded(self, rows: np.ndarray, width: int, id_columns) -> Dict[str, ArrayOrTensor]:
         """``rows``' columns: scalars taken, lists ``[rows, width]`` as the rule crops them
         (numpy, or tensors on :attr:`device` once :meth:`to` moved them there).
 
@@ -151,7 +154,7 @@ def padded_batch(parts: Sequence[Tuple[PartitionArrays, np.ndarray]], layout, wi
     layout's order, or None where the general path must make them (its error names the row
     of the whole batch where list columns disagree)."""
     try:
-        pieces: List[Dict[str, np.ndarray]] = [
+        pieces: List[Dict[str, ArrayOrTensor]] = [
             arrays.padded(rows, width, id_columns) for arrays, rows in parts]
     except SessionLengthError:
         return None
