@@ -145,3 +145,17 @@ def test_a_test_loader_without_data_fails_with_t4rs_value_error(trainer_class, t
     trainer = trainer_class(model=model, args=music_args(tmp_path), schema=MUSIC.schema)
     with pytest.raises(ValueError, match="Trainer: test requires an test_dataset."):
         trainer.get_test_dataloader()
+
+
+def test_a_trainer_that_steps_on_the_cpu_of_a_gpu_host_gets_its_batches_on_the_host(tmp_path):
+    """``no_cuda=True`` on a GPU host: the resolved state names the GPU, Hugging Face steps on
+    the CPU. The loader must not make the batches on the GPU (the state's device is set here
+    as such a host resolves it; nothing touches CUDA before a batch is read)."""
+    from merlin_t4r_ops.training import DistributedState
+
+    model = music_model(tr.BinaryClassificationTask("click", summary_type="mean"))
+    trainer = Trainer(args=music_args(tmp_path), strategy="single", model=model,
+                      schema=MUSIC.merlin_schema, train_dataset_or_path=MUSIC.path)
+    trainer.dist_state = DistributedState("single", 0, 0, 1, torch.device("cuda:0"), "GPU host")
+    assert trainer.args.device == torch.device("cpu")
+    assert trainer.get_train_dataloader().device_batches is False
