@@ -105,8 +105,10 @@ class PartitionArrays:
             When the rows' list columns disagree on a session's length.
         """
         ends = [offsets[rows + 1] for offsets, _ in self.offset_groups]
-        lengths = {name: end - offsets[rows]
-                   for (offsets, names), end in zip(self.offset_groups, ends) for name in names}
+        # One length array a group: its columns share their offsets, hence their lengths.
+        group_lengths = [end - offsets[rows] for (offsets, _), end in zip(self.offset_groups, ends)]
+        lengths = {name: length for (_, names), length in zip(self.offset_groups, group_lengths)
+                   for name in names}
         session = session_lengths(lengths, id_columns)
         on_host = [rows, *(_gather_index(end, session, width) for end in ends)]
         # Where the values are: positions on the device for tensors, on the host for numpy.
