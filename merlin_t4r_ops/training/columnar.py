@@ -31,12 +31,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
+from accelerate.utils import recursively_apply
 
 from merlin_t4r_ops.errors import T4ROpsError
 from merlin_t4r_ops.harmless_warnings import cpu_datasets_quiet
 from merlin_t4r_ops.sequence import pad_lists_fn
 from merlin_t4r_ops.training.packed import PackedBatch
-from merlin_t4r_ops.training.padded_rows import PartitionArrays, padded_batch
+from merlin_t4r_ops.training.padded_rows import PartitionArrays, copy_to, padded_batch
 
 __all__ = ["ColumnLayout", "EpochDataset", "partition_reader", "plan_batches", "batch_tensors",
            "split_targets"]
@@ -334,16 +335,9 @@ def _on_device(batch, device: torch.device):
     """``(x, y)``'s tensors on ``device``: those on the host copied (from pinned memory to a
     GPU); those gathered on the device already kept (``cuda`` and ``cuda:0`` compare unequal)."""
     def move(tensor):
-        if tensor.device.type != "cpu" or device.type == "cpu":
-            return tensor
-        if device.type == "cuda":
-            tensor = tensor.pin_memory()
-        return tensor.to(device, non_blocking=True)
-    x, y = batch
-    x = {name: move(tensor) for name, tensor in x.items()}
-    y = {name: move(t) for name, t in y.items()} if isinstance(y, dict) else (
-        None if y is None else move(y))
-    return x, y
+        on_host = tensor.device.type == "cpu" and device.type != "cpu"
+        return copy_to(tensor, device) if on_host else tensor
+    return recursively_apply(move, batch)
 
 
 def _positions(order, start: int, stop: int) -> np.ndarray:

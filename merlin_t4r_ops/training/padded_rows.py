@@ -25,7 +25,7 @@ import torch
 from merlin_t4r_ops.errors import SessionLengthError
 from merlin_t4r_ops.sequence import _gather_index, session_lengths
 
-__all__ = ["PartitionArrays", "padded_batch"]
+__all__ = ["PartitionArrays", "padded_batch", "copy_to"]
 
 ArrayOrTensor = Union[np.ndarray, torch.Tensor]
 
@@ -125,12 +125,17 @@ class PartitionArrays:
         return out
 
 
+def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host ``tensor`` on ``device``: to a GPU from pinned memory, without waiting."""
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 def _upload(arrays: List[np.ndarray], device: torch.device) -> List[torch.Tensor]:
     """``arrays`` (int64) as tensors on ``device``, in one copy from pinned memory."""
     joined = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int64))
-    if device.type == "cuda":
-        joined = joined.pin_memory()
-    joined = joined.to(device, non_blocking=True)
+    joined = copy_to(joined, device)
     return [part.view(a.shape) for part, a in
             zip(joined.split([a.size for a in arrays]), arrays)]
 
