@@ -210,3 +210,15 @@ def testing_model(masking="clm", d_model=16, seed=0):
         d_model=d_model, n_head=2, n_layer=1, total_seq_length=TESTING_MAX_LEN, dropout=0.0
     )
     return config.to_torch_model(inputs, tr.NextItemPredictionTask(weight_tying=True))
+
+
+def cpu_and_cuda():
+    """``pytest.mark.parametrize`` values: the CPU always, CUDA (marked gpu) where one is."""
+    import pytest
+    import torch
+
+    return [pytest.param(torch.device("cpu"), id="cpu"),
+            pytest.param(torch.device("cuda:0"), id="cuda", marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(),
+                                   reason="needs a CUDA GPU, found none")])]

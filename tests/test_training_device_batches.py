@@ -64,13 +64,7 @@ def test_device_batches_with_workers_is_refused_naming_both(tmp_path):
         loader(path, state(), num_workers=2, device_batches=True)
 
 
-def device_params():
-    return [pytest.param(CPU, id="cpu"), pytest.param(CUDA, id="cuda", marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU, found none")])]
-
-
-@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("device", factories.cpu_and_cuda())
 def test_two_epochs_made_on_the_device_equal_the_hosts(tmp_path, device):
     path = factories.write_sessions(str(tmp_path / "train"), 90, n_files=3)
     on_device = loader(path, state(device=device), device_batches=True)

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+from t4r_training_factories import cpu_and_cuda
 from merlin_t4r_ops.errors import SessionLengthError, T4ROpsError
 from merlin_t4r_ops.sequence import pad_lists_fn
 from merlin_t4r_ops.training.columnar import (
@@ -147,12 +148,7 @@ def test_a_batch_over_more_partitions_than_the_cache_holds_reads_each_once():
     assert reader.reads == list(range(6))
 
 
-DEVICES = [
-    pytest.param(torch.device("cpu"), id="cpu"),
-    pytest.param(torch.device("cuda:0"), id="cuda", marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU, found none")]),
-]
+DEVICES = cpu_and_cuda()
 
 
 def on_host(batch):
