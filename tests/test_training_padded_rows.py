@@ -24,6 +24,7 @@ from merlin_t4r_ops.training.columnar import (
     plan_batches,
     split_targets,
 )
+from merlin_t4r_ops.training import padded_rows
 from merlin_t4r_ops.training.padded_rows import PartitionArrays, padded_batch
 
 LAYOUT = ColumnLayout(
@@ -181,6 +182,22 @@ def test_columns_whose_dtypes_torch_may_not_index_on_the_device_stay_on_the_host
     assert isinstance(moved.scalars["click"], np.ndarray)
     assert all(isinstance(moved.scalars[name], torch.Tensor) for name in ("rating", "seen"))
 
+
+
+def test_a_partition_whose_columns_all_stay_on_the_host_uploads_no_positions(monkeypatch):
+    rng = np.random.default_rng(9)
+    lengths = rng.integers(0, 30, 20)
+    offsets = np.r_[0, np.cumsum(lengths)].astype(np.int32)
+    table = pa.table({"item_id-list": pa.ListArray.from_arrays(
+                          offsets, pa.array(rng.integers(1, 1000, lengths.sum()), pa.uint32())),
+                      "click": pa.array(np.arange(20, dtype=np.uint32))})
+    layout = ColumnLayout(kinds={"item_id-list": "ragged", "click": "scalar"}, targets=("click",))
+    uploads = []
+    monkeypatch.setattr(padded_rows, "_upload", lambda *a: uploads.append(a))
+    moved = PartitionArrays.of(table, layout).to(torch.device("meta"))
+    got = moved.padded(np.arange(20), 10, IDS)
+    assert moved.device is None and not uploads
+    assert all(isinstance(column, np.ndarray) for column in got.values())
 
 def seven_row_partitions(rng, null_rating: bool):
     """Four partitions of 7 rows; a null rating sends partition 0 the general path."""

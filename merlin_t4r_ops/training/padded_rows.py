@@ -85,14 +85,17 @@ class PartitionArrays:
     def to(self, device: torch.device) -> "PartitionArrays":
         """These arrays gathered on ``device``: scalars and values as tensors there, but for
         dtypes torch may not index there (unsigned wider than a byte), which stay numpy and
-        are gathered on the host. The offsets stay numpy: the index math runs on the host."""
+        are gathered on the host. The offsets stay numpy: the index math runs on the host.
+        Where no column could move, the partition stays the host's: no positions uploaded."""
         def moved(a):
             return a if a.dtype.kind == "u" and a.itemsize > 1 else torch.tensor(a, device=device)
 
         arrays = PartitionArrays({name: moved(a) for name, a in self.scalars.items()},
                                  {name: moved(a) for name, a in self.values.items()},
                                  self.offset_groups)
-        arrays.device = torch.device(device)
+        columns = [*arrays.scalars.values(), *arrays.values.values()]
+        if any(isinstance(column, torch.Tensor) for column in columns):
+            arrays.device = torch.device(device)
         return arrays
 
     def padded(self, rows: np.ndarray, width: int, id_columns) -> Dict[str, ArrayOrTensor]:
