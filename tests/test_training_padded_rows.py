@@ -16,6 +16,7 @@ import torch
 from t4r_training_factories import cpu_and_cuda
 from merlin_t4r_ops.errors import SessionLengthError, T4ROpsError
 from merlin_t4r_ops.sequence import pad_lists_fn
+from merlin_t4r_ops.training import padded_rows
 from merlin_t4r_ops.training.columnar import (
     ColumnLayout,
     EpochDataset,
@@ -24,7 +25,6 @@ from merlin_t4r_ops.training.columnar import (
     plan_batches,
     split_targets,
 )
-from merlin_t4r_ops.training import padded_rows
 from merlin_t4r_ops.training.padded_rows import PartitionArrays, padded_batch
 
 LAYOUT = ColumnLayout(
@@ -183,7 +183,6 @@ def test_columns_whose_dtypes_torch_may_not_index_on_the_device_stay_on_the_host
     assert all(isinstance(moved.scalars[name], torch.Tensor) for name in ("rating", "seen"))
 
 
-
 def test_a_partition_whose_columns_all_stay_on_the_host_uploads_no_positions(monkeypatch):
     rng = np.random.default_rng(9)
     lengths = rng.integers(0, 30, 20)
@@ -198,6 +197,7 @@ def test_a_partition_whose_columns_all_stay_on_the_host_uploads_no_positions(mon
     got = moved.padded(np.arange(20), 10, IDS)
     assert moved.device is None and not uploads
     assert all(isinstance(column, np.ndarray) for column in got.values())
+
 
 def seven_row_partitions(rng, null_rating: bool):
     """Four partitions of 7 rows; a null rating sends partition 0 the general path."""
