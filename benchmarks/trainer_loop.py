@@ -16,6 +16,7 @@ between a part and its bare call speak of the loop there.
 """
 
 import argparse
+import itertools
 import sys
 import tempfile
 import time
@@ -38,17 +39,16 @@ def parse_args(argv=None):
 
 def host_us(fn, calls: int, before=None, rounds: int = 5) -> float:
     """Best mean over ``rounds`` of ``calls`` calls of ``fn``, in µs; ``before`` runs untimed."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     best = float("inf")
     for _ in range(rounds):
         total = 0.0
         for _ in range(calls):
             if before is not None:
                 before()
-            sync()
+            paths._synchronize()
             start = time.perf_counter()
             fn()
-            sync()
+            paths._synchronize()
             total += time.perf_counter() - start
         best = min(best, total / calls)
     return best * 1e6
@@ -96,7 +96,7 @@ def parts(trainer, model, batch):
 def model_step_us(model, batches, calls: int) -> float:
     """The model's own step (forward, backward, Adam) in a bare loop, µs a step."""
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    steps = iter(range(10**9))
+    steps = itertools.count()
 
     def step():
         paths._bare_step(model, optimizer, *batches[next(steps) % len(batches)])
