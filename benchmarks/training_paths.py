@@ -407,6 +407,10 @@ PATHS: Dict[str, Callable[[Setting, StepClock], None]] = {
     # ... and no gradient clipping (Hugging Face's max_grad_norm=1.0): fit's computation.
     "trainer-as-fit": _our_trainer_runner(optim="adamw_torch_fused", logging_nan_inf_filter=False,
                                           max_grad_norm=0.0),
+    # Our Trainer with Hugging Face's torch_compile (accelerate compiles the model it
+    # prepares), in the mode fit's compile=True takes on one GPU: CUDA graphs.
+    "trainer-compile": _our_trainer_runner(torch_compile=True,
+                                           torch_compile_mode="reduce-overhead"),
     # Our Trainer, its defaults, over batches already on the device: its loop alone.
     "trainer-cached": run_our_trainer_cached,
     "fit": _fit_runner(),
