@@ -23,7 +23,9 @@ Paths (``benchmarks/training_paths.py``):
   Trainer with ``optim="adamw_torch_fused"`` in place of Hugging Face 4.30's ``adamw_hf``),
   ``trainer-fused-no-nan-filter`` (both), ``trainer-as-fit`` (both, and ``max_grad_norm=0``:
   no clipping, as ``fit``), ``trainer-cached`` (our Trainer, its defaults, over the
-  cached batches: Hugging Face's loop without the loader, beside ``cached-trainer-step``).
+  cached batches: Hugging Face's loop without the loader, beside ``cached-trainer-step``),
+  ``trainer-compile`` (our Trainer with Hugging Face's ``torch_compile``, mode
+  ``"reduce-overhead"``).
 
 The table gives the best samples/s of the rounds, the ratio to T4R's Trainer and to
 ``cached``, and the GPU's mean utilisation over the timed steps (NVML, sampled every

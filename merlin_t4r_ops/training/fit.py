@@ -261,9 +261,10 @@ def fit(
         training in fp32). ``"bf16"``: autocast bfloat16 without a scaler (GPUs
         with bfloat16, or the CPU). See :mod:`~merlin_t4r_ops.training.step`.
     compile : bool
-        ``torch.compile`` the training model (``"reduce-overhead"``, i.e. CUDA
-        graphs, on one CUDA device with ``drop_last=True``); evaluation runs
-        eagerly. Refused under DataParallel.
+        ``torch.compile`` the training model (CUDA graphs on one CUDA device with
+        ``drop_last=True``, but not for the graphs whose shapes change per batch: see
+        :mod:`~merlin_t4r_ops.training.step`); evaluation runs eagerly. Refused under
+        DataParallel.
     batch_size : int
         Per device, as in Hugging Face. Under DDP each rank loads
         ``batch_size`` rows (global batch ``world_size * batch_size``); under
