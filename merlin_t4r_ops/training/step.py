@@ -118,13 +118,13 @@ def check_compile(compile: bool, state) -> None:
 # "reduce-overhead", except that a graph whose shapes change from batch to batch runs
 # without CUDA graphs. T4R's next-item head keeps the batch's non-padded positions, a count
 # that differs in every batch: recorded anew for each count, CUDA graphs made fit-compile
-# 0.22-0.30 of the eager model's pace on an H100; skipped there, 1.22 (docs/benchmarks.md).
+# 0.22-0.30 of the eager model's pace on an H100; skipped there, 1.14-1.36 (benchmarks.md).
 CUDA_GRAPHS = {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}
 
 
 def compile_model(wrapped: torch.nn.Module, state, drop_last: bool) -> torch.nn.Module:
-    """``torch.compile(wrapped)``; with CUDA graphs (:data:`CUDA_GRAPHS`) where every batch
-    has one shape."""
+    """``torch.compile(wrapped)``; with CUDA graphs (:data:`CUDA_GRAPHS`) on one GPU with
+    ``drop_last``, where every batch has as many rows."""
     static = state.device.type == "cuda" and state.strategy == "single" and drop_last
     if state.is_main_process:
         logger.info("torch.compile of the training model, %s",
