@@ -408,7 +408,8 @@ PATHS: Dict[str, Callable[[Setting, StepClock], None]] = {
     "trainer-as-fit": _our_trainer_runner(optim="adamw_torch_fused", logging_nan_inf_filter=False,
                                           max_grad_norm=0.0),
     # Our Trainer with Hugging Face's torch_compile (accelerate compiles the model it
-    # prepares), in the mode fit's compile=True takes on one GPU: CUDA graphs.
+    # prepares) in mode "reduce-overhead": CUDA graphs, for every graph (Hugging Face 4.30
+    # passes no inductor options; fit's compile=True leaves the per-batch shapes out).
     "trainer-compile": _our_trainer_runner(torch_compile=True,
                                            torch_compile_mode="reduce-overhead"),
     # Our Trainer, its defaults, over batches already on the device: its loop alone.

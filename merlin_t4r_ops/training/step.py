@@ -6,10 +6,10 @@ Each option that can change the numbers is off by default:
   (CUDA only); ``"bf16"`` autocasts to bfloat16 with no scaler (bfloat16 has float32's
   exponent range, so gradients do not underflow), on CUDA GPUs that support it or on the CPU.
 * ``compile``: ``torch.compile`` of the (DDP-wrapped) model. On one CUDA device with
-  ``drop_last=True`` every batch has the same shape, so the compiled graphs run as CUDA
+  ``drop_last=True`` every batch has as many rows, so the compiled graphs run as CUDA
   graphs (``"reduce-overhead"``: one launch for the kernels that the step's Python would
   launch one by one), except those whose shapes still change from batch to batch
-  (:data:`CUDA_GRAPHS`); otherwise the default mode. DataParallel replicates the module at every step, which
+  (:func:`cuda_graph_options`); otherwise the default mode. DataParallel replicates the module at every step, which
   ``torch.compile`` cannot follow: it is refused.
 
 The default optimizer is ``Adam(lr=lr)``, as before (Hugging Face's and T4R's default is
@@ -115,18 +115,29 @@ def check_compile(compile: bool, state) -> None:
         )
 
 
-# "reduce-overhead", except that a graph whose shapes change from batch to batch runs
-# without CUDA graphs. T4R's next-item head keeps the batch's non-padded positions, a count
-# that differs in every batch: recorded anew for each count, CUDA graphs made fit-compile
-# 0.22-0.30 of the eager model's pace on an H100; skipped there, 1.14-1.36 (benchmarks.md).
-CUDA_GRAPHS = {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}
+def cuda_graph_options() -> dict:
+    """``torch.compile`` options: ``"reduce-overhead"``'s CUDA graphs, except for the graphs
+    whose shapes change from batch to batch, which run as plain compiled kernels.
+
+    T4R's next-item head keeps each batch's non-padded positions, a count that differs in
+    every batch: recorded anew for each count, CUDA graphs made ``fit(compile=True)`` run at
+    0.22-0.30 of the cached loop's pace (the model alone, eager) on an H100; skipped, at
+    1.14-1.36 (docs/benchmarks.md). The skip needs torch 2.3 or newer; older torch gets
+    ``"reduce-overhead"`` alone. A new dict each call: ``torch.compile`` pops from it.
+    """
+    from torch._inductor import config
+
+    options = {"triton.cudagraphs": True}
+    if hasattr(config.triton, "cudagraph_skip_dynamic_graphs"):
+        options["triton.cudagraph_skip_dynamic_graphs"] = True
+    return options
 
 
 def compile_model(wrapped: torch.nn.Module, state, drop_last: bool) -> torch.nn.Module:
-    """``torch.compile(wrapped)``; with CUDA graphs (:data:`CUDA_GRAPHS`) on one GPU with
-    ``drop_last``, where every batch has as many rows."""
+    """``torch.compile(wrapped)``; with CUDA graphs (:func:`cuda_graph_options`) on one GPU
+    with ``drop_last``, where every batch has as many rows."""
     static = state.device.type == "cuda" and state.strategy == "single" and drop_last
     if state.is_main_process:
         logger.info("torch.compile of the training model, %s",
                     "CUDA graphs where shapes are static" if static else "mode default")
-    return torch.compile(wrapped, options=CUDA_GRAPHS if static else None)
+    return torch.compile(wrapped, options=cuda_graph_options() if static else None)
