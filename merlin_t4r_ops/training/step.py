@@ -9,8 +9,8 @@ Each option that can change the numbers is off by default:
   ``drop_last=True`` every batch has as many rows, so the compiled graphs run as CUDA
   graphs (``"reduce-overhead"``: one launch for the kernels that the step's Python would
   launch one by one), except those whose shapes still change from batch to batch
-  (:func:`cuda_graph_options`); otherwise the default mode. DataParallel replicates the module at every step, which
-  ``torch.compile`` cannot follow: it is refused.
+  (:func:`cuda_graph_options`); otherwise the default mode. DataParallel replicates the
+  module at every step, which ``torch.compile`` cannot follow: it is refused.
 
 The default optimizer is ``Adam(lr=lr)``, as before (Hugging Face's and T4R's default is
 AdamW with weight decay 0, betas (0.9, 0.999) and eps 1e-8: the same update). On CUDA it
