@@ -56,14 +56,8 @@ def host_us(fn, calls: int, before=None, rounds: int = 5) -> float:
 
 def trained_trainer(setting):
     """Our Trainer after 20 steps over cached batches: its optimizer and scheduler prepared."""
-    model = setting.model()
     clock = paths.StepClock(setting.batch_size, 2, float("inf"), max_steps=20)
-    trainer = paths._our_trainer(setting, clock, model)
-    batches = paths._cached_batches(setting, model)
-    trainer.train_dataloader = paths._CachedEpoch(batches, 20, setting.batch_size)
-    with clock.hooked():
-        trainer.train()
-    return trainer, model, batches
+    return paths.train_on_cached_batches(setting, clock, 20)
 
 
 def parts(trainer, model, batch):

@@ -273,15 +273,21 @@ class _CachedEpoch:
         return (self.batches[step % len(self.batches)] for step in range(self.steps))
 
 
-def run_our_trainer_cached(setting: Setting, clock: StepClock) -> None:
-    """Our ``Trainer.train()`` over batches already on the device (its defaults otherwise)."""
+def train_on_cached_batches(setting: Setting, clock: StepClock, steps: int):
+    """Our ``Trainer.train()`` (its defaults) over ``steps`` batches already on the device;
+    returns the trainer, its model and the batches."""
     model = setting.model()
     trainer = _our_trainer(setting, clock, model)
     batches = _cached_batches(setting, model)
-    steps = _epoch_rows(setting) // setting.batch_size
     trainer.train_dataloader = _CachedEpoch(batches, steps, setting.batch_size)
     with clock.hooked():
         trainer.train()
+    return trainer, model, batches
+
+
+def run_our_trainer_cached(setting: Setting, clock: StepClock) -> None:
+    """Our ``Trainer.train()`` over batches already on the device (its defaults otherwise)."""
+    train_on_cached_batches(setting, clock, _epoch_rows(setting) // setting.batch_size)
 
 
 def _fit_runner(**options) -> Callable[[Setting, StepClock], None]:
