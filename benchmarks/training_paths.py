@@ -259,6 +259,17 @@ def _our_trainer_runner(**args_overrides) -> Callable[[Setting, StepClock], None
 run_our_trainer = _our_trainer_runner()
 
 
+def run_our_trainer_compile_mode_alone(setting: Setting, clock: StepClock) -> None:
+    """``trainer-compile`` as Hugging Face 4.30 asks accelerate to compile: mode
+    ``"reduce-overhead"`` alone, CUDA graphs recorded for every shape."""
+    trainer = _our_trainer(setting, clock, torch_compile=True,
+                           torch_compile_mode="reduce-overhead")
+    plugin = trainer.accelerator.state.dynamo_plugin
+    plugin.mode, plugin.options = "reduce-overhead", None
+    with clock.hooked():
+        trainer.train()
+
+
 class _CachedEpoch:
     """An epoch of ``fit``'s batches already on the device, cycled: a train loader that
     costs the Trainer's loop nothing, so ``trainer-cached`` is Hugging Face's loop alone."""
@@ -414,10 +425,12 @@ PATHS: Dict[str, Callable[[Setting, StepClock], None]] = {
     "trainer-as-fit": _our_trainer_runner(optim="adamw_torch_fused", logging_nan_inf_filter=False,
                                           max_grad_norm=0.0),
     # Our Trainer with Hugging Face's torch_compile (accelerate compiles the model it
-    # prepares) in mode "reduce-overhead": CUDA graphs, for every graph (Hugging Face 4.30
-    # passes no inductor options; fit's compile=True leaves the per-batch shapes out).
+    # prepares) in mode "reduce-overhead": CUDA graphs except for the graphs whose shapes
+    # change per batch, as fit(compile=True) (Trainer.create_accelerator_and_postprocess).
     "trainer-compile": _our_trainer_runner(torch_compile=True,
                                            torch_compile_mode="reduce-overhead"),
+    # ... with the mode alone, CUDA graphs for every graph, as Hugging Face 4.30 asks it.
+    "trainer-compile-mode-alone": run_our_trainer_compile_mode_alone,
     # Our Trainer, its defaults, over batches already on the device: its loop alone.
     "trainer-cached": run_our_trainer_cached,
     "fit": _fit_runner(),

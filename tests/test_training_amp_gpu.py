@@ -118,3 +118,30 @@ def test_compiled_training_follows_the_eager_loss_curve(tmp_path):
     _, compiled, _ = _train(tmp_path / "compiled", epochs=2, compile=True)
     for e, c in zip(eager, compiled):
         assert c["train_loss"] == pytest.approx(e["train_loss"], rel=1e-3)
+
+
+def _trainer_loss(tmp_path, **args):
+    """Our Trainer, 2 epochs of batches of 50 with drop_last; the trainer and its loss."""
+    trainer = Trainer(
+        model=factories.testing_model("clm", d_model=32),
+        args=make_args(str(tmp_path), no_cuda=False, dataloader_drop_last=True,
+                       per_device_train_batch_size=50, num_train_epochs=2,
+                       max_sequence_length=factories.TESTING_MAX_LEN, **args),
+        strategy="single",
+        schema=factories.testing_schema(),
+        train_dataset_or_path=factories.testing_dataset(factories.testing_frame()),
+    )
+    return trainer, trainer.train().training_loss
+
+
+def test_trainer_compiled_in_reduce_overhead_mode_follows_the_eager_loss(tmp_path, monkeypatch):
+    # Hugging Face hands the compile mode to accelerate in the environment: set here, so
+    # that monkeypatch takes it away after the test.
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "no")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "default")
+    _, eager = _trainer_loss(tmp_path / "eager")
+    trainer, compiled = _trainer_loss(tmp_path / "compiled", torch_compile_mode="reduce-overhead")
+    config = trainer.model_wrapped.get_compiler_config()
+    assert config["triton.cudagraphs"] is True
+    assert config["triton.cudagraph_skip_dynamic_graphs"] is True
+    assert compiled == pytest.approx(eager, rel=1e-3)

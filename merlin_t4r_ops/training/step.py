@@ -26,7 +26,8 @@ import torch
 
 from merlin_t4r_ops.errors import StrategyError
 
-__all__ = ["AMP_CHOICES", "amp_dtype", "autocast", "check_amp", "default_optimizer", "compile_model"]
+__all__ = ["AMP_CHOICES", "amp_dtype", "autocast", "check_amp", "default_optimizer", "compile_model",
+           "cuda_graph_options", "takes_cuda_graphs"]
 
 logger = logging.getLogger(__name__)
 
@@ -133,10 +134,16 @@ def cuda_graph_options() -> dict:
     return options
 
 
+def takes_cuda_graphs(state, drop_last: bool) -> bool:
+    """Whether compiled graphs can replay as CUDA graphs: on one GPU, with ``drop_last``,
+    where every batch has as many rows."""
+    return state.device.type == "cuda" and state.strategy == "single" and drop_last
+
+
 def compile_model(wrapped: torch.nn.Module, state, drop_last: bool) -> torch.nn.Module:
-    """``torch.compile(wrapped)``; with CUDA graphs (:func:`cuda_graph_options`) on one GPU
-    with ``drop_last``, where every batch has as many rows."""
-    static = state.device.type == "cuda" and state.strategy == "single" and drop_last
+    """``torch.compile(wrapped)``; with CUDA graphs (:func:`cuda_graph_options`) where
+    :func:`takes_cuda_graphs`."""
+    static = takes_cuda_graphs(state, drop_last)
     if state.is_main_process:
         logger.info("torch.compile of the training model, %s",
                     "CUDA graphs where shapes are static" if static else "mode default")

@@ -79,6 +79,7 @@ from merlin_t4r_ops.training.resume import (
     save_rng_state,
 )
 from merlin_t4r_ops.training.state import DistributedState, resolve_strategy, unwrap_model
+from merlin_t4r_ops.training.step import cuda_graph_options, takes_cuda_graphs
 from merlin_t4r_ops.training.unused import restore_requires_grad
 
 __all__ = ["Trainer"]
@@ -260,6 +261,21 @@ class Trainer(T4RTrainer):
         if created_here and type(optimizer) is HuggingFaceAdamW:
             self.optimizer = optimizer = multi_tensor(optimizer)
         return optimizer
+
+    def create_accelerator_and_postprocess(self):
+        """Hugging Face's; ``torch_compile_mode="reduce-overhead"`` compiles as
+        ``fit(compile=True)`` does where :func:`~merlin_t4r_ops.training.step.takes_cuda_graphs`:
+        CUDA graphs, except for the graphs whose shapes change from batch to batch
+        (:func:`~merlin_t4r_ops.training.step.cuda_graph_options`). With the mode alone,
+        recorded anew for every batch, they ran this Trainer at 0.41-0.49 of the cached
+        loop's pace on an H100 (docs/benchmarks.md)."""
+        super().create_accelerator_and_postprocess()
+        if (self.args.torch_compile_mode == "reduce-overhead"
+                and takes_cuda_graphs(self.dist_state, self.args.dataloader_drop_last)):
+            # accelerate compiles the model it prepares with this plugin's kwargs; torch
+            # takes options or a mode, not both.
+            plugin = self.accelerator.state.dynamo_plugin
+            plugin.mode, plugin.options = None, cuda_graph_options()
 
     def _maybe_log_save_evaluate(self, tr_loss, *args, **kwargs):
         if self.control.should_log and self._loss_filter is not None:
