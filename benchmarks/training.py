@@ -118,14 +118,15 @@ def measure(name, runner, setting, args, sampler):
     """One path, one round: samples/s, timed steps, seconds, GPU utilisation, note."""
     import torch
 
-    from training_paths import StepClock, Unsupported
+    from training_paths import StepClock, Unsupported, process_settings_kept
 
     warmup = max(args.warmup_steps, COMPILE_WARMUP_STEPS if "compile" in name else 0)
     clock = StepClock(setting.batch_size, warmup, args.time_limit)
     note = ""
     sampler.start()
     try:
-        runner(setting, clock)
+        with process_settings_kept():
+            runner(setting, clock)
     except Unsupported as exc:
         note = f"skipped: {exc}"
     except Exception as exc:  # one path failing must not cost the others' figures
@@ -178,7 +179,7 @@ def profile(runners, setting, args):
     import torch
     from torch.profiler import ProfilerActivity, schedule
 
-    from training_paths import PATHS, StepClock
+    from training_paths import PATHS, StepClock, process_settings_kept
 
     os.makedirs(args.profile, exist_ok=True)
     activities = [ProfilerActivity.CPU] + (
@@ -193,7 +194,8 @@ def profile(runners, setting, args):
         ) as prof:
             clock = StepClock(setting.batch_size, 1, float("inf"),
                               max_steps=wait + 1 + args.profile_steps, on_step=prof.step)
-            runner(setting, clock)
+            with process_settings_kept():
+                runner(setting, clock)
         text = prof.key_averages().table(sort_by=sort_by, row_limit=40)
         path = os.path.join(args.profile, f"{name}.txt")
         with open(path, "w") as fh:

@@ -187,6 +187,25 @@ def _stop_when_done(clock):
     return StopWhenDone()
 
 
+@contextlib.contextmanager
+def process_settings_kept():
+    """The process's compile settings as they were before a path ran.
+
+    A ``TrainingArguments`` with ``torch_compile`` leaves them behind: the
+    ``ACCELERATE_DYNAMO_*`` variables, which every later Trainer's accelerate reads (it then
+    compiles too), and TF32 matmuls. Paths run one after another in one process.
+    """
+    variables = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_DYNAMO_")}
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        yield
+    finally:
+        for name in [k for k in os.environ if k.startswith("ACCELERATE_DYNAMO_")]:
+            del os.environ[name]
+        os.environ.update(variables)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
 def _training_args(setting: Setting, **overrides):
     from transformers4rec.config.trainer import T4RecTrainingArguments
 

@@ -135,10 +135,13 @@ def _trainer_loss(tmp_path, **args):
 
 
 def test_trainer_compiled_in_reduce_overhead_mode_follows_the_eager_loss(tmp_path, monkeypatch):
-    # Hugging Face hands the compile mode to accelerate in the environment: set here, so
-    # that monkeypatch takes it away after the test.
+    # Hugging Face hands the compile mode to accelerate in the environment, and turns TF32
+    # matmuls on for the process when it compiles: set here, so that monkeypatch puts both
+    # back after the test.
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "no")
     monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "default")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32",
+                        torch.backends.cuda.matmul.allow_tf32)
     _, eager = _trainer_loss(tmp_path / "eager")
     trainer, compiled = _trainer_loss(tmp_path / "compiled", torch_compile_mode="reduce-overhead")
     config = trainer.model_wrapped.get_compiler_config()

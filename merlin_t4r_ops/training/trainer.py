@@ -267,15 +267,19 @@ class Trainer(T4RTrainer):
         ``fit(compile=True)`` does where :func:`~merlin_t4r_ops.training.step.takes_cuda_graphs`:
         CUDA graphs, except for the graphs whose shapes change from batch to batch
         (:func:`~merlin_t4r_ops.training.step.cuda_graph_options`). With the mode alone,
-        recorded anew for every batch, they ran this Trainer at 0.41-0.49 of the cached
+        recorded anew for every batch, they ran this Trainer at 0.41-0.50 of the cached
         loop's pace on an H100 (docs/benchmarks.md)."""
         super().create_accelerator_and_postprocess()
-        if (self.args.torch_compile_mode == "reduce-overhead"
-                and takes_cuda_graphs(self.dist_state, self.args.dataloader_drop_last)):
-            # accelerate compiles the model it prepares with this plugin's kwargs; torch
-            # takes options or a mode, not both.
-            plugin = self.accelerator.state.dynamo_plugin
+        if self.args.torch_compile_mode != "reduce-overhead":
+            return
+        # accelerate compiles the model it prepares with this plugin's kwargs; torch takes
+        # options or a mode, not both. The plugin outlives this Trainer on accelerate's
+        # shared state (a second Trainer of the same args keeps it): set both ways.
+        plugin = self.accelerator.state.dynamo_plugin
+        if takes_cuda_graphs(self.dist_state, self.args.dataloader_drop_last):
             plugin.mode, plugin.options = None, cuda_graph_options()
+        else:
+            plugin.mode, plugin.options = "reduce-overhead", None
 
     def _maybe_log_save_evaluate(self, tr_loss, *args, **kwargs):
         if self.control.should_log and self._loss_filter is not None:
