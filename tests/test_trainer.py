@@ -110,7 +110,7 @@ def test_single_train_leaves_trained_unwrapped_weights_in_users_model(data, tmp_
 def test_torch_compile_reduce_overhead_skips_the_dynamic_graphs_as_fit_does(
         data, tmp_path, monkeypatch, device, drop_last, mode, graphs):
     # Hugging Face compiles through accelerate with the mode alone: CUDA graphs recorded anew
-    # for each batch's count of non-padded positions ran this Trainer at 0.41-0.49 of the
+    # for each batch's count of non-padded positions ran this Trainer at 0.41-0.50 of the
     # cached loop's pace on an H100 (docs/benchmarks.md). torch.compile is lazy: this runs
     # on the CPU. Hugging Face passes the mode to accelerate in the process's environment;
     # monkeypatch takes it away again after the test.
@@ -126,6 +126,23 @@ def test_torch_compile_reduce_overhead_skips_the_dynamic_graphs_as_fit_does(
     config = torch.compile(trainer.model, **kwargs).get_compiler_config()
     assert config["triton.cudagraphs"] is True
     assert config["triton.cudagraph_skip_dynamic_graphs"] is True
+
+
+def test_torch_compile_reduce_overhead_is_set_back_where_cuda_graphs_cannot_run(
+        data, tmp_path, monkeypatch):
+    # accelerate keeps its compile plugin on the process's shared state: the next Trainer of
+    # the same arguments finds it as the last one left it.
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "inductor")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "reduce-overhead")
+    trainer = _trainer(data, tmp_path, torch_compile_mode="reduce-overhead",
+                       dataloader_drop_last=True)
+    on_the_cpu = trainer.dist_state
+    trainer.dist_state = DistributedState("single", 0, 0, 1, torch.device("cuda:0"), "stated")
+    trainer.create_accelerator_and_postprocess()
+    trainer.dist_state = on_the_cpu
+    trainer.create_accelerator_and_postprocess()
+    kwargs = trainer.accelerator.state.dynamo_plugin.to_kwargs()
+    assert kwargs["mode"] == "reduce-overhead" and "options" not in kwargs
 
 
 @pytest.mark.parametrize("arch,batch_size", [("xlnet", 16), ("xlnet", 33), ("gpt2", 33)])
