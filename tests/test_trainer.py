@@ -101,6 +101,22 @@ def test_single_train_leaves_trained_unwrapped_weights_in_users_model(data, tmp_
     assert changed, "training did not change any weight of the model object passed in"
 
 
+def _compiling_trainer(data, out, monkeypatch, mode, drop_last):
+    """Our Trainer with Hugging Face's ``torch_compile_mode``. Hugging Face passes the mode to
+    accelerate in the process's environment; monkeypatch takes it away after the test."""
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "inductor")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", mode)
+    return _trainer(data, out, torch_compile_mode=mode, dataloader_drop_last=drop_last)
+
+
+def _compile_kwargs_on(trainer, device):
+    """accelerate's ``torch.compile`` kwargs once ``trainer`` sets up its accelerator, as
+    ``Trainer.__init__`` does, for one ``device`` (torch.compile is lazy: all on the CPU)."""
+    trainer.dist_state = DistributedState("single", 0, 0, 1, torch.device(device), "stated")
+    trainer.create_accelerator_and_postprocess()
+    return trainer.accelerator.state.dynamo_plugin.to_kwargs()
+
+
 @pytest.mark.parametrize("device,drop_last,mode,graphs", [
     ("cuda:0", True, "reduce-overhead", True),  # every batch one shape: fit's options
     ("cuda:0", False, "reduce-overhead", False),  # a short last batch: Hugging Face's mode
@@ -111,15 +127,9 @@ def test_torch_compile_reduce_overhead_skips_the_dynamic_graphs_as_fit_does(
         data, tmp_path, monkeypatch, device, drop_last, mode, graphs):
     # Hugging Face compiles through accelerate with the mode alone: CUDA graphs recorded anew
     # for each batch's count of non-padded positions ran this Trainer at 0.41-0.50 of the
-    # cached loop's pace on an H100 (docs/benchmarks.md). torch.compile is lazy: this runs
-    # on the CPU. Hugging Face passes the mode to accelerate in the process's environment;
-    # monkeypatch takes it away again after the test.
-    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "inductor")
-    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", mode)
-    trainer = _trainer(data, tmp_path, torch_compile_mode=mode, dataloader_drop_last=drop_last)
-    trainer.dist_state = DistributedState("single", 0, 0, 1, torch.device(device), "stated")
-    trainer.create_accelerator_and_postprocess()  # as Trainer.__init__ does, on this device
-    kwargs = trainer.accelerator.state.dynamo_plugin.to_kwargs()
+    # cached loop's pace on an H100 (docs/benchmarks.md).
+    trainer = _compiling_trainer(data, tmp_path, monkeypatch, mode, drop_last)
+    kwargs = _compile_kwargs_on(trainer, device)
     if not graphs:
         assert "options" not in kwargs and kwargs.get("mode", "default") == mode
         return
@@ -132,16 +142,9 @@ def test_torch_compile_reduce_overhead_is_set_back_where_cuda_graphs_cannot_run(
         data, tmp_path, monkeypatch):
     # accelerate keeps its compile plugin on the process's shared state: the next Trainer of
     # the same arguments finds it as the last one left it.
-    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "inductor")
-    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "reduce-overhead")
-    trainer = _trainer(data, tmp_path, torch_compile_mode="reduce-overhead",
-                       dataloader_drop_last=True)
-    on_the_cpu = trainer.dist_state
-    trainer.dist_state = DistributedState("single", 0, 0, 1, torch.device("cuda:0"), "stated")
-    trainer.create_accelerator_and_postprocess()
-    trainer.dist_state = on_the_cpu
-    trainer.create_accelerator_and_postprocess()
-    kwargs = trainer.accelerator.state.dynamo_plugin.to_kwargs()
+    trainer = _compiling_trainer(data, tmp_path, monkeypatch, "reduce-overhead", True)
+    _compile_kwargs_on(trainer, "cuda:0")
+    kwargs = _compile_kwargs_on(trainer, "cpu")
     assert kwargs["mode"] == "reduce-overhead" and "options" not in kwargs
 
 
