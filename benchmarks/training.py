@@ -25,7 +25,8 @@ Paths (``benchmarks/training_paths.py``):
   no clipping, as ``fit``), ``trainer-cached`` (our Trainer, its defaults, over the
   cached batches: Hugging Face's loop without the loader, beside ``cached-trainer-step``),
   ``trainer-compile`` (our Trainer with Hugging Face's ``torch_compile``, mode
-  ``"reduce-overhead"``).
+  ``"reduce-overhead"``, compiled as ``fit(compile=True)``), ``trainer-compile-mode-alone``
+  (the same with the mode alone, as Hugging Face 4.30 hands it to accelerate).
 
 The table gives the best samples/s of the rounds, the ratio to T4R's Trainer and to
 ``cached``, and the GPU's mean utilisation over the timed steps (NVML, sampled every

@@ -26,8 +26,8 @@ import torch
 
 from merlin_t4r_ops.errors import StrategyError
 
-__all__ = ["AMP_CHOICES", "amp_dtype", "autocast", "check_amp", "default_optimizer", "compile_model",
-           "cuda_graph_options", "takes_cuda_graphs"]
+__all__ = ["AMP_CHOICES", "amp_dtype", "autocast", "check_amp", "default_optimizer",
+           "compile_model", "cuda_graph_options", "takes_cuda_graphs"]
 
 logger = logging.getLogger(__name__)
 

@@ -264,8 +264,9 @@ class Trainer(T4RTrainer):
 
     def create_accelerator_and_postprocess(self):
         """Hugging Face's; ``torch_compile_mode="reduce-overhead"`` compiles as
-        ``fit(compile=True)`` does where :func:`~merlin_t4r_ops.training.step.takes_cuda_graphs`:
-        CUDA graphs, except for the graphs whose shapes change from batch to batch
+        ``fit(compile=True)`` does where
+        :func:`~merlin_t4r_ops.training.step.takes_cuda_graphs`: CUDA graphs, except for the
+        graphs whose shapes change from batch to batch
         (:func:`~merlin_t4r_ops.training.step.cuda_graph_options`). With the mode alone,
         recorded anew for every batch, they ran this Trainer at 0.41-0.50 of the cached
         loop's pace on an H100 (docs/benchmarks.md)."""
