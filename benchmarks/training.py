@@ -204,7 +204,30 @@ def profile(runners, setting, args):
             fh.write(text)
         prof.export_chrome_trace(os.path.join(args.profile, f"{name}.trace.json"))
         print(f"\nprofile of {name} ({args.profile_steps} steps): {path}")
+        print(f"{name}, a step: {step_summary(prof.key_averages(), args.profile_steps)}")
         print("\n".join(text.splitlines()[:16]), flush=True)
+
+
+_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def step_summary(averages, steps):
+    """Host time, aten ops, kernels, kernel time and host syncs a step, from key_averages().
+
+    The rows that say why one path's step is slower than another's: a host-bound step has
+    more host time than kernel time, and more aten ops (autocast's casts among them) or
+    syncs cost it host time, not GPU time. aten ops count nested calls too.
+    """
+    from torch.autograd import DeviceType
+
+    host_ms = sum(r.cpu_time_total for r in averages if r.key.startswith("ProfilerStep")) / 1e3
+    aten = sum(r.count for r in averages if r.key.startswith("aten::"))
+    kernels = [r for r in averages if r.device_type == DeviceType.CUDA]
+    kernel_ms = sum(r.self_device_time_total for r in kernels) / 1e3
+    syncs = sum(r.count for r in averages if r.key in _SYNCS)
+    return (f"host {host_ms / steps:.2f} ms, {aten / steps:.0f} aten ops, "
+            f"{sum(r.count for r in kernels) / steps:.0f} kernels, "
+            f"kernel time {kernel_ms / steps:.2f} ms, {syncs / steps:.1f} host syncs")
 
 
 def main(argv=None):
