@@ -178,7 +178,10 @@ def _evaluate(model, loader, state: DistributedState, amp: bool) -> dict:
     return accumulator.compute()
 
 
-def _check_args(epochs, batch_size, amp, state, resume, checkpoint_dir, lr_scheduler_interval):
+def _check_args(model, epochs, batch_size, amp, state, resume, checkpoint_dir,
+                save_steps, gradient_accumulation_steps, optimizer, lr_scheduler,
+                lr_scheduler_interval):
+    """Refuse ``fit``'s arguments that cannot work together, before any data is read."""
     if not isinstance(epochs, int) or epochs < 0:
         raise ValueError(f"epochs must be a non-negative int, got {epochs!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -190,6 +193,45 @@ def _check_args(epochs, batch_size, amp, state, resume, checkpoint_dir, lr_sched
         raise ValueError(
             f"lr_scheduler_interval must be 'epoch' or 'step', got {lr_scheduler_interval!r}"
         )
+    if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+        raise ValueError(
+            "gradient_accumulation_steps must be a positive int, got "
+            f"{gradient_accumulation_steps!r}"
+        )
+    if save_steps is not None and (not isinstance(save_steps, int) or save_steps < 1
+                                   or checkpoint_dir is None):
+        raise ValueError(
+            "save_steps must be None or a positive int with checkpoint_dir= set, got "
+            f"save_steps={save_steps!r}, checkpoint_dir={checkpoint_dir!r}"
+        )
+    if unwrap_model(model) is not model:
+        raise StrategyError(
+            f"fit expects an unwrapped model (it wraps for the strategy itself), got "
+            f"{type(model).__name__}; pass unwrap_model(model)"
+        )
+    if lr_scheduler is not None and (
+        optimizer is None or getattr(lr_scheduler, "optimizer", None) is not optimizer
+    ):
+        raise ValueError(
+            f"lr_scheduler must schedule the optimizer that fit steps; got a "
+            f"{type(lr_scheduler).__name__} bound to another optimizer than optimizer="
+            + ("None (fit would make its own Adam): pass the scheduler's optimizer as optimizer="
+               if optimizer is None else f"{type(optimizer).__name__}")
+        )
+
+
+def _resume_point(resume, checkpoint_dir, model, optimizer, lr_scheduler, scaler, state):
+    """``(start_epoch, history, resume_at, log_step)``: from ``checkpoint_dir/last.pt`` when
+    resuming from one, else a fresh start."""
+    ckpt = load_checkpoint(checkpoint_dir, map_location="cpu", state=state) if resume else None
+    if ckpt is None:
+        if resume and state.is_main_process:
+            logger.info("resume=True but %s holds no checkpoint; starting at epoch 1",
+                        checkpoint_dir)
+        return 0, [], None, 0
+    start_epoch, history, resume_at = _restore(ckpt, model, optimizer, lr_scheduler, scaler,
+                                               state)
+    return start_epoch, history, resume_at, ckpt.get("log_step")
 
 
 def fit(
@@ -343,25 +385,9 @@ def fit(
         ``eval_<metric>`` entries when ``eval_data`` is given.
     """
     state = _state(strategy)
-    _check_args(epochs, batch_size, amp, state, resume, checkpoint_dir, lr_scheduler_interval)
+    _check_args(model, epochs, batch_size, amp, state, resume, checkpoint_dir, save_steps,
+                gradient_accumulation_steps, optimizer, lr_scheduler, lr_scheduler_interval)
     check_compile(compile, state)
-    if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
-        raise ValueError(
-            "gradient_accumulation_steps must be a positive int, got "
-            f"{gradient_accumulation_steps!r}"
-        )
-    if save_steps is not None and (not isinstance(save_steps, int) or save_steps < 1
-                                   or checkpoint_dir is None):
-        raise ValueError(
-            "save_steps must be None or a positive int with checkpoint_dir= set, got "
-            f"save_steps={save_steps!r}, checkpoint_dir={checkpoint_dir!r}"
-        )
-    inner = unwrap_model(model)
-    if inner is not model:
-        raise StrategyError(
-            f"fit expects an unwrapped model (it wraps for the strategy itself), got "
-            f"{type(model).__name__}; pass unwrap_model(model)"
-        )
     seed_everything(seed)  # the one policy of fit and the Trainer: training/policy.py
     model.to(state.device)
     train_loader = make_loader(
@@ -382,15 +408,6 @@ def fit(
             eval_data, model, state, batch_size=eval_batch_size or batch_size, shuffle=False,
             num_workers=num_workers, pin_memory=pin_memory,
         )
-    if lr_scheduler is not None and (
-        optimizer is None or getattr(lr_scheduler, "optimizer", None) is not optimizer
-    ):
-        raise ValueError(
-            f"lr_scheduler must schedule the optimizer that fit steps; got a "
-            f"{type(lr_scheduler).__name__} bound to another optimizer than optimizer="
-            + ("None (fit would make its own Adam): pass the scheduler's optimizer as optimizer="
-               if optimizer is None else f"{type(optimizer).__name__}")
-        )
     if optimizer is None:
         optimizer = default_optimizer(model, lr, state.device)
     scaler = grad_scaler(amp)
@@ -403,17 +420,8 @@ def fit(
         find_unused_parameters, frozen = settle_unused_parameters(
             model, train_loader, state, find_unused_parameters)
 
-        history: List[dict] = []
-        start_epoch, resume_at, log_step = 0, None, 0
-        if resume:
-            ckpt = load_checkpoint(checkpoint_dir, map_location="cpu", state=state)
-            if ckpt is not None:
-                start_epoch, history, resume_at = _restore(
-                    ckpt, model, optimizer, lr_scheduler, scaler, state
-                )
-                log_step = ckpt.get("log_step")
-            elif state.is_main_process:
-                logger.info("resume=True but %s holds no checkpoint; starting at epoch 1", checkpoint_dir)
+        start_epoch, history, resume_at, log_step = _resume_point(
+            resume, checkpoint_dir, model, optimizer, lr_scheduler, scaler, state)
         run_log.start(log_step)
 
         wrapped = prepare_model(model, state, find_unused_parameters=bool(find_unused_parameters))
