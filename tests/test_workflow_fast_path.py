@@ -274,3 +274,53 @@ def test_the_runtime_compiles_a_workflow_unless_told_not_to(tmp_path, compile_wo
     ensemble.export(str(repository), runtime=TritonRuntime(compile_workflows=compile_workflows))
     assert (repository / "0_transformworkflowtriton").exists() is not compile_workflows
     assert (repository / "executor_model").is_dir()
+
+
+def _string_categorify(tmp_path, vocabulary):
+    """A ``Categorify`` of scalar string ids fitted on ``vocabulary``, and its array twin."""
+    import nvtabular as nvt
+    from merlin.io import Dataset
+
+    from merlin_t4r_ops.harmless_warnings import cpu_datasets_quiet
+    from merlin_t4r_ops.workflow.arrays import CategorifyArrays
+
+    op = nvt.ops.Categorify(out_path=str(tmp_path))
+    workflow = nvt.Workflow(["item"] >> op)
+    with cpu_datasets_quiet():
+        workflow.fit(Dataset(pd.DataFrame({"item": vocabulary}), npartitions=1))
+    return workflow, CategorifyArrays(op, ["item"], {"item": np.int64})
+
+
+def test_many_string_ids_are_hashed_and_get_nvtabulars_ids(tmp_path):
+    """From 256 ids a string column is looked up in a hash index of the vocabulary: the
+    ids are NVTabular's, and those of the sorted lookup for anything but plain str."""
+    rng = np.random.default_rng(7)
+    workflow, twin = _string_categorify(
+        tmp_path, np.array([f"sku-{i}" for i in range(0, 6000, 3)], dtype=object))
+    sorted_values, ids = twin.vocabularies["item"]
+    index = twin.string_indexes["item"]
+    assert index is not None
+    df = pd.DataFrame({"item": np.array([f"sku-{i}" for i in rng.integers(0, 6000, 700)],
+                                        dtype=object)})  # two in three unknown
+    expected = _nvtabular(workflow, df)
+    _assert_identical(TensorTable({"item": twin.column("item", TensorTable.from_df(df)["item"])}),
+                      expected)
+    mixed = df["item"].to_numpy().copy()
+    mixed[::7] = 3  # an int among strings: cast to text, as before
+    for values in (df["item"].to_numpy(), mixed, df["item"].to_numpy().astype(str)):
+        np.testing.assert_array_equal(twin._lookup(values, sorted_values, ids, index),
+                                      twin._lookup(values, sorted_values, ids))
+
+
+def test_an_exported_string_vocabulary_carries_no_index_and_gets_one_when_loaded(tmp_path):
+    import pickle
+
+    _, twin = _string_categorify(tmp_path, np.array(["b", "a", "c"], dtype=object))
+    assert "string_indexes" not in twin.__getstate__()
+    loaded = pickle.loads(pickle.dumps(twin))
+    assert list(loaded.string_indexes["item"]) == ["a", "b", "c"]
+    values = np.array(["c", "z", "a"] * 100, dtype=object)
+    sorted_values, ids = loaded.vocabularies["item"]
+    np.testing.assert_array_equal(
+        loaded._lookup(values, sorted_values, ids, loaded.string_indexes["item"]),
+        twin._lookup(values, *twin.vocabularies["item"]))

@@ -7,6 +7,7 @@ column goes to the NVTabular op itself.
 
 import numpy as np
 import pandas as pd
+from pandas.api.types import infer_dtype
 from merlin.dag import BaseOperator, ColumnSelector, DataFormats
 from merlin.table import TensorColumn, TensorTable
 from nvtabular.ops.categorify import NULL_OFFSET, OOV_OFFSET
@@ -38,8 +39,14 @@ class _ArrayTwin(BaseOperator):
         raise NotImplementedError
 
 
+# From this many string ids a hash lookup beats casting and bisecting; below it, pandas'
+# get_indexer's fixed cost (about 37 us on a 2-core EPYC) does not pay off.
+_HASHED_FROM = 256
+
+
 class CategorifyArrays(_ArrayTwin):
-    """``Categorify`` as a lookup in its sorted vocabulary (``searchsorted``).
+    """``Categorify`` as a lookup in its sorted vocabulary (``searchsorted``); string ids
+    in a hash index of it (:func:`_string_index`).
 
     The ids of the vocabulary are what the fitted ``Categorify`` itself gives each value
     (its table, ``freq_threshold`` and ``max_size`` applied at fit), so they are exact by
@@ -51,34 +58,52 @@ class CategorifyArrays(_ArrayTwin):
         super().__init__(op)
         self.output_dtypes = output_dtypes
         self.vocabularies = {name: _vocabulary(op, name) for name in names}
+        self.string_indexes = _string_indexes(self.vocabularies)
+
+    # The hash indexes are rebuilt where the export is loaded, not pickled into it: the
+    # artifact stays as it was, and one exported before them loads too.
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "string_indexes"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.string_indexes = _string_indexes(self.vocabularies)
 
     def column(self, name, column):
         values, offsets = np.asarray(column.values), column.offsets
         sorted_values, ids = self.vocabularies[name]
+        index = self.string_indexes[name]
         if values.dtype.kind == "O" and pd.isna(values).any():
             if offsets is not None:  # nulls inside lists: NVTabular's own rule (not 1)
                 return self._by_nvtabular(name, column)
             nulls = pd.isna(values)
             encoded = np.full(len(values), NULL_OFFSET, dtype=np.int64)
-            encoded[~nulls] = self._lookup(values[~nulls], sorted_values, ids)
+            encoded[~nulls] = self._lookup(values[~nulls], sorted_values, ids, index)
         elif (values.dtype.kind == "f" and sorted_values.dtype.kind != "f"
               and np.isnan(values).any()):
             return self._by_nvtabular(name, column)  # NVTabular refuses NaN into int ids
         else:
-            encoded = self._lookup(values, sorted_values, ids)
+            encoded = self._lookup(values, sorted_values, ids, index)
         encoded = encoded.astype(self.output_dtypes[name], copy=False)
         return TensorColumn(encoded, offsets=offsets, _unsafe=True)
 
     @staticmethod
-    def _lookup(values, sorted_values, ids):
+    def _lookup(values, sorted_values, ids, string_index=None):
+        if not len(sorted_values):
+            return np.full(len(values), OOV_OFFSET, dtype=np.int64)
         if sorted_values.dtype.kind == "U":
             if values.dtype.kind not in "OUS":  # an int never equals a string id
                 return np.full(len(values), OOV_OFFSET, dtype=np.int64)
+            if (string_index is not None and len(values) >= _HASHED_FROM
+                    and values.dtype.kind == "O"
+                    and infer_dtype(values, skipna=False) == "string"):
+                # str objects, as requests bring them: hashed, not cast to fixed-width text
+                # and bisected (benchmarks/workflow_lookup.py)
+                position = string_index.get_indexer(values)
+                return np.where(position >= 0, ids[position], OOV_OFFSET)
             values = values.astype(str)
         else:
             values = values.astype(sorted_values.dtype)  # NVTabular casts to the table's dtype
-        if not len(sorted_values):
-            return np.full(len(values), OOV_OFFSET, dtype=np.int64)
         position = np.searchsorted(sorted_values, values).clip(max=len(sorted_values) - 1)
         return np.where(sorted_values[position] == values, ids[position], OOV_OFFSET)
 
@@ -100,6 +125,20 @@ def _vocabulary(op, name):
         values = values.astype(str)
     order = np.argsort(values, kind="stable")
     return values[order], ids[order].astype(np.int64)
+
+
+def _string_indexes(vocabularies):
+    return {name: _string_index(sorted_values)
+            for name, (sorted_values, _) in vocabularies.items()}
+
+
+def _string_index(sorted_values):
+    """A hash index of a string vocabulary; None for numbers, and for a vocabulary where
+    two raw ids read as one string (``1`` and ``"1"``), which ``searchsorted`` resolves."""
+    if sorted_values.dtype.kind != "U":
+        return None
+    index = pd.Index(sorted_values.astype(object))
+    return index if index.is_unique else None
 
 
 class ListSliceArrays(_ArrayTwin):
