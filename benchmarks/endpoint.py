@@ -45,7 +45,6 @@ Usage::
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +52,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import serving as bench  # noqa: E402  (adds the tests' factories to sys.path)
+from timing import p50_ms  # noqa: E402
 
 PATHS = {"model": "model_alone", "model-lean": "model_lean", "endpoint": "endpoint",
          "endpoint-fast": "endpoint_fast", "endpoint-lean": "endpoint_lean",
@@ -176,16 +176,6 @@ def export(workflow, model, args, device, path):
         runtime = runtime_class(**RUNTIMES[name]) if name in RUNTIMES else None
         ensembles[name].export(path, name=PATHS[name], runtime=runtime)
     return ensembles
-
-
-def p50_ms(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
 
 
 def in_process_stages(workflow, raw, encoded, ensembles, dtypes, server, repeats, args_paths):

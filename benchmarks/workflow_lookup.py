@@ -19,9 +19,10 @@ Usage::
 
 import argparse
 import tempfile
-import time
 
 import numpy as np
+
+from timing import p50_ms
 
 
 def parse_args(argv=None):
@@ -61,16 +62,6 @@ def batch_ids(batch, items, string_ids, rng):
     return raw_ids(codes, string_ids)
 
 
-def p50_us(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * float(np.median(times))
-
-
 def main(argv=None):
     args = parse_args(argv)
     rng = np.random.default_rng(0)
@@ -87,8 +78,9 @@ def main(argv=None):
             before = twin._lookup(values, sorted_values, ids)
             after = twin._lookup(values, sorted_values, ids, index)
             assert np.array_equal(before, after) and (before == 2).any() | (batch < 8)
-            bisect = p50_us(lambda: twin._lookup(values, sorted_values, ids), args.repeats)
-            fast = p50_us(lambda: twin._lookup(values, sorted_values, ids, index), args.repeats)
+            bisect = 1e3 * p50_ms(lambda: twin._lookup(values, sorted_values, ids), args.repeats)
+            fast = 1e3 * p50_ms(lambda: twin._lookup(values, sorted_values, ids, index),
+                               args.repeats)
             print(f"| {'string' if string_ids else 'int'} | {batch} | {len(values):,} | "
                   f"{bisect:.1f} | {fast:.1f} | {bisect / fast:.2f}x |", flush=True)
 
