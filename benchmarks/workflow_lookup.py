@@ -6,8 +6,8 @@ of raw sessions (1 to 20 items, one in fifty unknown), p50 over ``--repeats`` ca
 
 * ``searchsorted``: the sorted vocabulary bisected, string ids first cast to fixed-width
   text (what every id went through before string vocabularies got a hash index);
-* ``fast path``: the lookup as it runs now: the same for int ids, a hash index
-  (``pandas.Index.get_indexer``) for ``str`` ids.
+* ``fast path``: the lookup as it runs now: the same for int ids and below 512 ids; from
+  512 ``str`` ids a hash index (``pandas.Index.get_indexer``), its misses bisected.
 
 Both give the same ids (checked). CPU only: the fast path runs on the host.
 
@@ -77,7 +77,7 @@ def main(argv=None):
             values = batch_ids(batch, args.items, string_ids, rng)
             before = twin._lookup(values, sorted_values, ids)
             after = twin._lookup(values, sorted_values, ids, index)
-            assert np.array_equal(before, after) and (before == 2).any() | (batch < 8)
+            assert np.array_equal(before, after)
             bisect = 1e3 * p50_ms(lambda: twin._lookup(values, sorted_values, ids), args.repeats)
             fast = 1e3 * p50_ms(lambda: twin._lookup(values, sorted_values, ids, index),
                                args.repeats)

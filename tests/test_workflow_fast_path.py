@@ -291,25 +291,35 @@ def _string_categorify(tmp_path, vocabulary):
     return workflow, CategorifyArrays(op, ["item"], {"item": np.int64})
 
 
-def test_many_string_ids_are_hashed_and_get_nvtabulars_ids(tmp_path):
-    """From 256 ids a string column is looked up in a hash index of the vocabulary: the
-    ids are NVTabular's, and those of the sorted lookup for anything but plain str."""
+def test_many_string_ids_are_hashed_and_get_nvtabulars_ids(tmp_path, monkeypatch):
+    """From 512 ids a column of str is looked up in a hash index of the vocabulary: the ids
+    are NVTabular's, nulls and unknown ids included, and those the sorted lookup gives."""
+    from merlin_t4r_ops.workflow import arrays
+
+    hashed, real = [], arrays._hashed  # the lengths of the columns that were hashed
+    monkeypatch.setattr(arrays, "_hashed", lambda *a: hashed.append(len(a[0])) or real(*a))
     rng = np.random.default_rng(7)
     workflow, twin = _string_categorify(
         tmp_path, np.array([f"sku-{i}" for i in range(0, 6000, 3)], dtype=object))
+    items = np.array([f"sku-{i}" for i in rng.integers(0, 6000, 700)], dtype=object)
+    items[::10] = None  # null scalars: the null id; two in three of the rest unknown
+    df = pd.DataFrame({"item": items})
+    got = twin.column("item", TensorTable.from_df(df)["item"])
+    _assert_identical(TensorTable({"item": got}), _nvtabular(workflow, df))
+    assert hashed == [630]
+
     sorted_values, ids = twin.vocabularies["item"]
     index = twin.string_indexes["item"]
-    assert index is not None
-    df = pd.DataFrame({"item": np.array([f"sku-{i}" for i in rng.integers(0, 6000, 700)],
-                                        dtype=object)})  # two in three unknown
-    expected = _nvtabular(workflow, df)
-    _assert_identical(TensorTable({"item": twin.column("item", TensorTable.from_df(df)["item"])}),
-                      expected)
-    mixed = df["item"].to_numpy().copy()
-    mixed[::7] = 3  # an int among strings: cast to text, as before
-    for values in (df["item"].to_numpy(), mixed, df["item"].to_numpy().astype(str)):
+    plain = items[1::10]
+    nul = plain.copy()
+    nul[::3] = [f"{v}\x00" for v in nul[::3]]  # fixed-width text drops trailing NULs
+    mixed = plain.copy()
+    mixed[::7] = 3  # an int among strings: cast to text, not hashed
+    for values in (plain.repeat(8), nul.repeat(8), mixed.repeat(8),
+                   plain.repeat(8).astype(str)):
         np.testing.assert_array_equal(twin._lookup(values, sorted_values, ids, index),
-                                      twin._lookup(values, sorted_values, ids))
+                                      arrays._bisect(values.astype(str), sorted_values, ids))
+    assert hashed == [630, 560, 560]
 
 
 def test_an_exported_string_vocabulary_carries_no_index_and_gets_one_when_loaded(tmp_path):
@@ -319,7 +329,7 @@ def test_an_exported_string_vocabulary_carries_no_index_and_gets_one_when_loaded
     assert "string_indexes" not in twin.__getstate__()
     loaded = pickle.loads(pickle.dumps(twin))
     assert list(loaded.string_indexes["item"]) == ["a", "b", "c"]
-    values = np.array(["c", "z", "a"] * 100, dtype=object)
+    values = np.array(["c", "z", "a"] * 200, dtype=object)  # 600 ids: hashed
     sorted_values, ids = loaded.vocabularies["item"]
     np.testing.assert_array_equal(
         loaded._lookup(values, sorted_values, ids, loaded.string_indexes["item"]),

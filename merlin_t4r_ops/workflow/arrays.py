@@ -39,9 +39,9 @@ class _ArrayTwin(BaseOperator):
         raise NotImplementedError
 
 
-# From this many string ids a hash lookup beats casting and bisecting; below it, pandas'
-# get_indexer's fixed cost (about 37 us on a 2-core EPYC) does not pay off.
-_HASHED_FROM = 256
+# From about this many string ids a hash lookup beats casting and bisecting; below it,
+# pandas' get_indexer's fixed cost does not pay off (benchmarks/workflow_lookup.py).
+_HASHED_FROM = 512
 
 
 class CategorifyArrays(_ArrayTwin):
@@ -89,23 +89,15 @@ class CategorifyArrays(_ArrayTwin):
 
     @staticmethod
     def _lookup(values, sorted_values, ids, string_index=None):
-        if not len(sorted_values):
+        if sorted_values.dtype.kind != "U":
+            # NVTabular casts to the table's dtype
+            return _bisect(values.astype(sorted_values.dtype), sorted_values, ids)
+        if values.dtype.kind not in "OUS":  # an int never equals a string id
             return np.full(len(values), OOV_OFFSET, dtype=np.int64)
-        if sorted_values.dtype.kind == "U":
-            if values.dtype.kind not in "OUS":  # an int never equals a string id
-                return np.full(len(values), OOV_OFFSET, dtype=np.int64)
-            if (string_index is not None and len(values) >= _HASHED_FROM
-                    and values.dtype.kind == "O"
-                    and infer_dtype(values, skipna=False) == "string"):
-                # str objects, as requests bring them: hashed, not cast to fixed-width text
-                # and bisected (benchmarks/workflow_lookup.py)
-                position = string_index.get_indexer(values)
-                return np.where(position >= 0, ids[position], OOV_OFFSET)
-            values = values.astype(str)
-        else:
-            values = values.astype(sorted_values.dtype)  # NVTabular casts to the table's dtype
-        position = np.searchsorted(sorted_values, values).clip(max=len(sorted_values) - 1)
-        return np.where(sorted_values[position] == values, ids[position], OOV_OFFSET)
+        if (string_index is not None and len(values) >= _HASHED_FROM
+                and values.dtype.kind == "O" and infer_dtype(values, skipna=False) == "string"):
+            return _hashed(values, sorted_values, ids, string_index)
+        return _bisect(values.astype(str), sorted_values, ids)
 
     def _by_nvtabular(self, name, column):
         frame = TensorTable({name: column}).to_df()
@@ -125,6 +117,29 @@ def _vocabulary(op, name):
         values = values.astype(str)
     order = np.argsort(values, kind="stable")
     return values[order], ids[order].astype(np.int64)
+
+
+def _bisect(values, sorted_values, ids):
+    """The ids of ``values`` in the sorted vocabulary, out-of-vocabulary where absent."""
+    if not len(sorted_values):
+        return np.full(len(values), OOV_OFFSET, dtype=np.int64)
+    position = np.searchsorted(sorted_values, values).clip(max=len(sorted_values) - 1)
+    return np.where(sorted_values[position] == values, ids[position], OOV_OFFSET)
+
+
+def _hashed(values, sorted_values, ids, string_index):
+    """``_bisect(values.astype(str), ...)`` for ``str`` objects, from a hash index.
+
+    A hit is a string equal to a vocabulary id, which the cast would leave as it is. The
+    misses (unknown ids, mostly) are cast and bisected as before: fixed-width text drops
+    trailing NUL characters, so ``"a\\x00"`` still finds ``"a"`` there, as it always did.
+    """
+    position = string_index.get_indexer(values)
+    encoded = np.where(position >= 0, ids[position], OOV_OFFSET)
+    missed = position < 0
+    if missed.any():
+        encoded[missed] = _bisect(values[missed].astype(str), sorted_values, ids)
+    return encoded
 
 
 def _string_indexes(vocabularies):
