@@ -220,13 +220,19 @@ def step_summary(averages, steps):
     """
     from torch.autograd import DeviceType
 
-    host_ms = sum(r.cpu_time_total for r in averages if r.key.startswith("ProfilerStep")) / 1e3
+    host_steps = [r for r in averages
+                  if r.key.startswith("ProfilerStep") and r.device_type == DeviceType.CPU]
+    steps = sum(r.count for r in host_steps) or steps  # the steps recorded
+    host_ms = sum(r.cpu_time_total for r in host_steps) / 1e3
     aten = sum(r.count for r in averages if r.key.startswith("aten::"))
-    kernels = [r for r in averages if r.device_type == DeviceType.CUDA]
+    # GPU rows of record_function ranges (ProfilerStep#, Optimizer.step#...) span kernels
+    # that are rows of their own: counting them would count those kernels twice.
+    kernels = [r for r in averages if r.device_type == DeviceType.CUDA
+               and not getattr(r, "is_user_annotation", False)]
     kernel_ms = sum(r.self_device_time_total for r in kernels) / 1e3
     syncs = sum(r.count for r in averages if r.key in _SYNCS)
     return (f"host {host_ms / steps:.2f} ms, {aten / steps:.0f} aten ops, "
-            f"{sum(r.count for r in kernels) / steps:.0f} kernels, "
+            f"{sum(r.count for r in kernels) / steps:.0f} kernels and copies, "
             f"kernel time {kernel_ms / steps:.2f} ms, {syncs / steps:.1f} host syncs")
 
 

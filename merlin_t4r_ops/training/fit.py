@@ -178,7 +178,7 @@ def _evaluate(model, loader, state: DistributedState, amp: bool) -> dict:
     return accumulator.compute()
 
 
-def _check_args(model, epochs, batch_size, amp, state, resume, checkpoint_dir,
+def _check_args(model, epochs, batch_size, amp, compile, state, resume, checkpoint_dir,
                 save_steps, gradient_accumulation_steps, optimizer, lr_scheduler,
                 lr_scheduler_interval):
     """Refuse ``fit``'s arguments that cannot work together, before any data is read."""
@@ -193,6 +193,7 @@ def _check_args(model, epochs, batch_size, amp, state, resume, checkpoint_dir,
         raise ValueError(
             f"lr_scheduler_interval must be 'epoch' or 'step', got {lr_scheduler_interval!r}"
         )
+    check_compile(compile, state)
     if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
         raise ValueError(
             "gradient_accumulation_steps must be a positive int, got "
@@ -385,9 +386,9 @@ def fit(
         ``eval_<metric>`` entries when ``eval_data`` is given.
     """
     state = _state(strategy)
-    _check_args(model, epochs, batch_size, amp, state, resume, checkpoint_dir, save_steps,
-                gradient_accumulation_steps, optimizer, lr_scheduler, lr_scheduler_interval)
-    check_compile(compile, state)
+    _check_args(model, epochs, batch_size, amp, compile, state, resume, checkpoint_dir,
+                save_steps, gradient_accumulation_steps, optimizer, lr_scheduler,
+                lr_scheduler_interval)
     seed_everything(seed)  # the one policy of fit and the Trainer: training/policy.py
     model.to(state.device)
     train_loader = make_loader(
