@@ -135,7 +135,7 @@ def _hashed(values, sorted_values, ids, string_index):
     trailing NUL characters, so ``"a\\x00"`` still finds ``"a"`` there, as it always did.
     """
     position = string_index.get_indexer(values)
-    encoded = np.where(position >= 0, ids[position], OOV_OFFSET)
+    encoded = ids[position]  # a miss (-1) is overwritten below
     missed = position < 0
     if missed.any():
         encoded[missed] = _bisect(values[missed].astype(str), sorted_values, ids)
