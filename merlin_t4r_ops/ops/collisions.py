@@ -10,11 +10,11 @@ inputs meet. The node that calls :meth:`validate_schemas` is the caller's ``self
 every consumer of that node once the whole graph's schemas are known.
 """
 
-import inspect
 from typing import Iterable, Optional
 
 from merlin.dag import Node
 from merlin_t4r_ops.errors import SchemaMismatchError
+from merlin_t4r_ops.ops.call_stack import search_callers
 
 __all__ = ["calling_node", "refuse_colliding_outputs"]
 
@@ -23,18 +23,12 @@ _MAX_FRAMES = 8  # Node.validate_schemas calls op.validate_schemas directly
 
 def calling_node(op) -> Optional[Node]:
     """The Merlin ``Node`` whose method is calling into ``op`` right now, if any."""
-    frame = inspect.currentframe()
-    try:
-        for _ in range(_MAX_FRAMES):
-            frame = frame.f_back
-            if frame is None:
-                return None
-            candidate = frame.f_locals.get("self")
-            if isinstance(candidate, Node) and candidate.op is op:
-                return candidate
-        return None
-    finally:
-        del frame  # frames hold references to their locals
+
+    def node_of_op(names):
+        candidate = names.get("self")
+        return candidate if isinstance(candidate, Node) and candidate.op is op else None
+
+    return search_callers(node_of_op, _MAX_FRAMES)
 
 
 def _describe(node: Node) -> str:

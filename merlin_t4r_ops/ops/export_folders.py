@@ -16,7 +16,6 @@ others.
 """
 
 import contextlib
-import inspect
 import json
 import re
 import uuid
@@ -27,6 +26,7 @@ from merlin.dag import postorder_iter_nodes
 from merlin.systems.dag import Ensemble
 
 from merlin_t4r_ops.ops.artifacts import MANIFEST_NAME, MODEL_FILES
+from merlin_t4r_ops.ops.call_stack import search_callers
 from merlin_t4r_ops.ops.vocabulary import VOCABULARY_FILES
 
 __all__ = ["new_folder_name", "replacing_earlier_exports", "saved_by_an_earlier_operator",
@@ -54,21 +54,16 @@ def _operators_of_the_graph(name: str) -> Optional[List]:
     ``Ensemble.export`` and every runtime's ``export`` hold the ``ensemble`` in their frame;
     the graph found must hold the operator that saves into ``name``.
     """
-    frame = inspect.currentframe()
-    try:
-        for _ in range(_MAX_FRAMES):
-            frame = frame.f_back
-            if frame is None:
-                return None
-            ensemble = frame.f_locals.get("ensemble")
-            if isinstance(ensemble, Ensemble):
-                nodes = postorder_iter_nodes(ensemble.graph.output_node, flatten_subgraphs=True)
-                operators = [node.op for node in nodes]
-                if name in {_folder_of(op) for op in operators}:
-                    return operators
-        return None
-    finally:
-        del frame  # frames hold references to their locals
+
+    def operators_of(names):
+        ensemble = names.get("ensemble")
+        if not isinstance(ensemble, Ensemble):
+            return None
+        nodes = postorder_iter_nodes(ensemble.graph.output_node, flatten_subgraphs=True)
+        operators = [node.op for node in nodes]
+        return operators if name in {_folder_of(op) for op in operators} else None
+
+    return search_callers(operators_of, _MAX_FRAMES)
 
 
 def _folder_of(operator) -> Optional[str]:
