@@ -6,7 +6,8 @@
 #   call 3: carry [".whl/c"]   command: bash scripts/device_targets.sh
 #
 # In order of what the issues need most, each cut at its own time limit so that what ran
-# still comes back under $OUT (endpoint.md, tutorial.txt, large.txt):
+# still comes back under $OUT (endpoint.log, and endpoint.md once the endpoint part ends;
+# tutorial.txt; large.txt and profile/ with the profiler's tables):
 #   1. the whole endpoint and the model path alone, batch 1 / 64 / 256, one gRPC client
 #      (issue 19: 2.0 / 2.5 / 3.5 ms and 1.5 ms on the H200);
 #   2. the tutorial preset, batch 384, d_model 64: T4R's Trainer, ours, fit, cached
@@ -14,13 +15,14 @@
 #   3. the large preset, batch 1024, d_model 128, with fit in bf16 and the torch profiler's
 #      step summary of fit and fit-bf16 (issue 22: AMP as fast as fp32, or why not).
 # Seconds per part: ENDPOINT_S, TUTORIAL_S, LARGE_S (170, 150, 170: with the install, under
-# the call's 600 s). DEVICE=cpu tries the script here.
+# the call's 600 s). DEVICE=cpu tries the script here: no setup, the endpoint on the CPU
+# (the training benchmark picks its own device).
 set -u
 out="${OUT:-/tmp/device_targets}"
 mkdir -p "$out"
 if [ "${DEVICE:-cuda}" = cuda ]; then  # here, the project's own .venv is active instead
   # shellcheck source=scripts/device_setup.sh
-  source scripts/device_setup.sh > "$out/setup.log" 2>&1
+  source scripts/device_setup.sh > "$out/setup.log" 2>&1 || { tail -5 "$out/setup.log"; exit 1; }
   tail -2 "$out/setup.log"
 fi
 export PYTHONUNBUFFERED=1
@@ -28,16 +30,17 @@ nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || echo "no GPU"
 lscpu | grep "Model name"
 git log --oneline -1
 
-timeout "${ENDPOINT_S:-170}" python3 benchmarks/endpoint.py --device "${DEVICE:-cuda}" \
+timeout -k 10 "${ENDPOINT_S:-170}" python3 benchmarks/endpoint.py --device "${DEVICE:-cuda}" \
   --paths model-lean,endpoint-lean --concurrency 1 --rounds 2 --seconds 2 \
   --output "$out/endpoint.md" > "$out/endpoint.log" 2>&1
 echo "endpoint: exit $?"
-grep "^|" "$out/endpoint.md" 2>/dev/null | head -12
+# endpoint.md is written at the end; a cut run's rows are in the log
+grep "^|" "$out/endpoint.md" 2>/dev/null || grep "^|" "$out/endpoint.log"
 
 training() {  # preset, seconds, file, then benchmarks/training.py's other arguments
   local preset=$1 seconds=$2 file=$3
   shift 3
-  timeout "$seconds" python3 benchmarks/training.py --preset "$preset" --time-limit 2 "$@" \
+  timeout -k 10 "$seconds" python3 benchmarks/training.py --preset "$preset" --time-limit 2 "$@" \
     2>&1 | grep -v -i "warn\|projecting" > "$out/$file"
   echo "$preset: exit ${PIPESTATUS[0]}"
   grep "^|\|a step:" "$out/$file"
@@ -46,4 +49,4 @@ training tutorial "${TUTORIAL_S:-150}" tutorial.txt --rounds 2 \
   --paths t4r-trainer,trainer,fit,cached
 training large "${LARGE_S:-170}" large.txt --rounds 1 --paths trainer,fit,fit-bf16,cached \
   --profile "$out/profile" --profile-paths fit,fit-bf16 --profile-steps 10
-rm -rf "$out/profile"  # traces of tens of MiB; the step summaries are in large.txt
+rm -f "$out"/profile/*.trace.json  # tens of MiB each; the tables (fit.txt, ...) stay

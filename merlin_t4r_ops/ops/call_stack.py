@@ -6,12 +6,12 @@
 """
 
 import inspect
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Mapping
 
 __all__ = ["search_callers"]
 
 
-def search_callers(look: Callable[[Dict[str, Any]], Any], frames: int) -> Optional[Any]:
+def search_callers(look: Callable[[Mapping[str, Any]], Any], frames: int) -> Any:
     """The first answer that is not ``None`` of ``look(locals)`` over the ``frames`` frames
     above the function that calls this one, nearest first; ``None`` if none answers."""
     frame = inspect.currentframe().f_back  # the function asking
